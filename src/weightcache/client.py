@@ -1,0 +1,247 @@
+"""Engine side: connect to a rank's daemon, verify its key, import its blocks, and build tensor views."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from . import wire
+from .arena import import_blocks
+from .errors import (
+    DaemonNotReady,
+    DaemonUnavailable,
+    KeyMismatch,
+    PermissionDenied,
+    ProtocolError,
+    WeightCacheError,
+)
+from .key import CacheKey, check
+from .manifest import Manifest, build_views, validate
+from .naming import socket_name
+
+log = logging.getLogger("weightcache.client")
+
+
+def _connect(path: str | Path, timeout: float) -> socket.socket:
+    path = str(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except FileNotFoundError:
+        sock.close()
+        raise DaemonUnavailable(f"no weight cache daemon at {path} (no such socket)") from None
+    except ConnectionRefusedError:
+        sock.close()
+        raise DaemonUnavailable(f"stale socket {path}: its daemon is gone") from None
+    except PermissionError:
+        sock.close()
+        raise PermissionDenied(f"not allowed to connect to {path} (socket permissions)") from None
+    except OSError as e:
+        sock.close()
+        raise DaemonUnavailable(f"cannot connect to {path}: {e}") from None
+    return sock
+
+
+def _raise_error(msg: wire.Error, path: str) -> None:
+    if msg.code == "key_mismatch":
+        raise KeyMismatch(msg.diffs, path)
+    if msg.code == "permission":
+        raise PermissionDenied(f"{path}: {msg.message}")
+    if msg.code == "failed":
+        raise DaemonNotReady("failed", message=msg.message)
+    if msg.code in ("protocol", "version"):
+        raise ProtocolError(f"{path}: {msg.message}")
+    raise WeightCacheError(f"{path}: daemon refused ({msg.code}): {msg.message}")
+
+
+def _request(sock: socket.socket, msg, path: str, timeout: float):
+    wire.send_msg(sock, msg)
+    try:
+        reply = wire.recv_msg(sock, deadline=time.monotonic() + timeout)
+    except EOFError:
+        raise DaemonUnavailable(f"daemon at {path} closed the connection") from None
+    except TimeoutError:
+        raise DaemonUnavailable(f"daemon at {path} did not answer within {timeout:.1f} s") from None
+    if isinstance(reply, wire.Error):
+        _raise_error(reply, path)
+    return reply
+
+
+def query_status(path: str | Path, timeout: float = 2.0) -> wire.DaemonStatus:
+    sock = _connect(path, timeout)
+    try:
+        reply = _request(sock, wire.StatusRequest(), str(path), timeout)
+    finally:
+        sock.close()
+    if not isinstance(reply, wire.DaemonStatus):
+        raise ProtocolError(f"{path}: expected a status reply, got {type(reply).__name__}")
+    return reply
+
+
+def wait_ready(path: str | Path, timeout: float, on_progress=None, poll: float = 0.2) -> wire.DaemonStatus:
+    """Poll a daemon until it is ready; raises DaemonNotReady if it failed or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = query_status(path)
+        if st.state == "ready":
+            return st
+        if st.state == "failed":
+            raise DaemonNotReady("failed", st.done, st.total, st.message)
+        if on_progress:
+            on_progress(st)
+        if time.monotonic() >= deadline:
+            raise DaemonNotReady(st.state, st.done, st.total, f"still not ready after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def find_socket(socket_dir: str | Path, key: CacheKey, device_tag: str) -> Path:
+    """The socket for this key; else one for the same role/rank/device (attach then names the differing
+    fields); else DaemonUnavailable saying what was looked for."""
+    socket_dir = Path(socket_dir)
+    exact = socket_dir / socket_name(key, device_tag)
+    if exact.exists():
+        return exact
+    prefix = f"{key.role}-r{key.rank}-{device_tag}-"
+    candidates = sorted(socket_dir.glob(prefix + "*.sock")) if socket_dir.is_dir() else []
+    for cand in candidates:
+        try:
+            query_status(cand, timeout=1.0)
+            return cand
+        except WeightCacheError:
+            continue
+    raise DaemonUnavailable(
+        f"no weight cache daemon for {key.role} rank {key.rank} on device {device_tag} in {socket_dir} "
+        f"(looked for {exact.name}"
+        + (f"; stale: {', '.join(c.name for c in candidates)}" if candidates else "")
+        + ")"
+    )
+
+
+class Attachment(Mapping[str, torch.Tensor]):
+    """Tensors attached from a daemon. Views stay valid while referenced, even after close() or the daemon's
+    death (the driver/kernel refcounts the memory)."""
+
+    def __init__(self, sock, key: CacheKey, manifest: Manifest, tensors: dict[str, torch.Tensor], device, mode):
+        self._sock = sock
+        self.key = key
+        self.manifest = manifest
+        self.tensors = tensors
+        self.device = device
+        self.mode = mode
+        self.roles = manifest.roles()
+        self.nbytes = manifest.nbytes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def close(self) -> None:
+        """Detach: tell the daemon (by closing the connection) and drop our references."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.tensors = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"Attachment({self.key.model!r} rank {self.key.rank}, {len(self)} tensors, {self.nbytes} bytes, {self.device})"
+
+
+def _device_for(manifest: Manifest) -> torch.device:
+    if manifest.device == "cpu":
+        return torch.device("cpu")
+    if manifest.device == "cuda":
+        from .arena.cuda import device_index_for_uuid
+
+        return torch.device("cuda", device_index_for_uuid(manifest.gpu_uuid))
+    raise ProtocolError(f"unknown arena device {manifest.device!r}")
+
+
+def _copy_blocks(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = [torch.empty_like(b) for b in blocks]
+    for dst, src in zip(out, blocks, strict=True):
+        dst.copy_(src)
+    if blocks and blocks[0].is_cuda:
+        torch.cuda.synchronize(blocks[0].device)
+    return out
+
+
+def attach(
+    socket: str | Path,
+    expect: CacheKey | None = None,
+    *,
+    mode: str = "map",
+    readonly: bool = True,
+    wait: float = 0.0,
+    timeout: float = 10.0,
+) -> Attachment:
+    """Attach a daemon's weights. mode="map" maps them zero-copy (read-only unless readonly=False);
+    mode="copy" gives private writable tensors. While the daemon is loading, waits up to `wait` seconds."""
+    if mode not in ("map", "copy"):
+        raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
+    path = str(socket)
+    deadline = time.monotonic() + wait
+    last_log = 0.0
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, mode=mode, readonly=readonly, expect=expect,
+                       client=f"pid {os.getpid()}")
+    sock = _connect(path, timeout)
+    try:
+        while True:
+            reply = _request(sock, hello, path, timeout)
+            if isinstance(reply, wire.Attached):
+                break
+            if not isinstance(reply, wire.NotReady):
+                raise ProtocolError(f"{path}: unexpected reply {type(reply).__name__}")
+            if time.monotonic() >= deadline:
+                raise DaemonNotReady(reply.state, reply.done, reply.total, reply.message)
+            if time.monotonic() - last_log > 5.0:
+                pct = f"{100.0 * reply.done / reply.total:.0f}%" if reply.total else "?"
+                log.info("waiting for the weight cache at %s to load (%s)", path, pct)
+                last_log = time.monotonic()
+            time.sleep(0.1)
+        fds = wire.recv_fds(sock, reply.nfds)
+        manifest = reply.manifest
+        try:
+            if expect is not None:
+                check(expect, reply.key, path)
+            validate(manifest)
+            if len(fds) != len(manifest.blocks):
+                raise ProtocolError(f"{path}: got {len(fds)} block handles for {len(manifest.blocks)} blocks")
+            device = _device_for(manifest)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        blocks = import_blocks(fds, [b.nbytes for b in manifest.blocks], device, readonly or mode == "copy")
+        if mode == "copy":
+            blocks = _copy_blocks(blocks)
+        tensors = build_views(manifest, blocks)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    if mode == "copy":
+        sock.close()  # private memory: nothing left to hold on the daemon's side
+        sock = None
+    return Attachment(sock, reply.key, manifest, tensors, device, mode)

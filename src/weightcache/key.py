@@ -1,0 +1,184 @@
+"""Cache identity: what weights a daemon holds, checked field by field before any attach."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import msgspec
+import torch
+
+from .errors import KeyMismatch
+
+ABI_VERSION = 1
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CHECKPOINT_METADATA = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    content_digest: str
+    revision: str = ""
+    dtype: str = ""
+    quantization: str = "none"
+    layout: str = "dp1-pp1-tp1"
+    rank: int = 0
+    role: str = "main"
+    engine: str = "torch"
+    engine_version: str = ""
+    abi: int = ABI_VERSION
+    extra: dict[str, str] = {}
+
+    def short_hash(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:12]
+
+    def replace(self, **changes) -> CacheKey:
+        return msgspec.structs.replace(self, **changes)
+
+
+class FieldDiff(msgspec.Struct, frozen=True):
+    field: str
+    expected: str
+    actual: str
+
+
+def diff(expected: CacheKey, actual: CacheKey) -> list[FieldDiff]:
+    out = []
+    for name in expected.__struct_fields__:
+        a, b = getattr(expected, name), getattr(actual, name)
+        if name == "extra":
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    out.append(FieldDiff(f"extra.{k}", str(a.get(k, "")), str(b.get(k, ""))))
+        elif a != b:
+            out.append(FieldDiff(name, str(a), str(b)))
+    return out
+
+
+def check(expected: CacheKey, actual: CacheKey, socket: str = "") -> None:
+    diffs = diff(expected, actual)
+    if diffs:
+        raise KeyMismatch(diffs, socket)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def digest_cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "weightcache" / "digests.json"
+
+
+_cache_lock = threading.Lock()
+
+
+def _load_digest_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_digest_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next time
+
+
+def _hf_blob_digest(path: Path) -> str | None:
+    """A Hugging Face cache stores LFS files as blobs named by their sha256."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))
+    if target.parent.name == "blobs" and len(target.name) == 64:
+        try:
+            int(target.name, 16)
+        except ValueError:
+            return None
+        return "sha256:" + target.name
+    return None
+
+
+def file_digest(path: str | Path, cache: dict | None = None) -> str:
+    """sha256 of a file's bytes; remembered by (path, size, mtime_ns, inode) so a second call only stats."""
+    path = Path(path)
+    blob = _hf_blob_digest(path)
+    if blob:
+        return blob
+    st = os.stat(path)
+    real = os.path.realpath(path)
+    stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    own_cache = cache is None
+    if own_cache:
+        with _cache_lock:
+            cache = _load_digest_cache(digest_cache_path())
+    hit = cache.get(real)
+    if hit and hit.get("stamp") == stamp:
+        return hit["digest"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    digest = "sha256:" + h.hexdigest()
+    cache[real] = {"stamp": stamp, "digest": digest}
+    if own_cache:
+        with _cache_lock:
+            merged = _load_digest_cache(digest_cache_path())
+            merged[real] = cache[real]
+            _store_digest_cache(digest_cache_path(), merged)
+    return digest
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    files = sorted(
+        p for p in path.iterdir()
+        if p.is_file() and (p.name.endswith(CHECKPOINT_SUFFIXES) or p.name in CHECKPOINT_METADATA)
+    )
+    if not any(p.name.endswith(CHECKPOINT_SUFFIXES) for p in files):
+        raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, ...) in {path}")
+    return files
+
+
+def checkpoint_digest(path: str | Path) -> str:
+    """Digest of a checkpoint's content: every weight file's bytes and the model's config."""
+    with _cache_lock:
+        cache = _load_digest_cache(digest_cache_path())
+    before = dict(cache)
+    h = hashlib.sha256()
+    for f in checkpoint_files(path):
+        h.update(f.name.encode() + b"\0" + file_digest(f, cache).encode() + b"\n")
+    if cache != before:
+        with _cache_lock:
+            merged = _load_digest_cache(digest_cache_path())
+            merged.update({k: v for k, v in cache.items() if before.get(k) != v})
+            _store_digest_cache(digest_cache_path(), merged)
+    return "sha256:" + h.hexdigest()
+
+
+def config_digest(obj) -> str:
+    """Stable digest of a JSON-able configuration (e.g. a quantization config); "none" for None."""
+    if obj is None:
+        return "none"
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,223 @@
+"""What lives where in an arena: tensor specs, storage packing and building views over blocks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+import torch
+
+from .key import dtype_name, parse_dtype
+
+ALIGNMENT = 256
+DEFAULT_BLOCK_BYTES = 2 << 30
+ROLES = ("parameter", "buffer", "nonpersistent_buffer", "attribute")
+
+
+class TensorMeta(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    role: str = "parameter"
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage: int
+    byte_offset: int  # of element [0, ..., 0] from the start of its storage span
+    role: str = "parameter"
+
+
+class StorageSpec(msgspec.Struct, frozen=True):
+    block: int
+    offset: int
+    nbytes: int
+
+
+class BlockSpec(msgspec.Struct):
+    nbytes: int
+
+
+class Manifest(msgspec.Struct):
+    tensors: list[TensorSpec]
+    storages: list[StorageSpec]
+    blocks: list[BlockSpec]
+    device: str = "cpu"
+    gpu_uuid: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def roles(self) -> dict[str, str]:
+        return {t.name: t.role for t in self.tensors}
+
+
+def _align(n: int, a: int = ALIGNMENT) -> int:
+    return (n + a - 1) // a * a
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _extent_bytes(shape, stride, itemsize: int) -> int:
+    """Bytes spanned from element [0..0] to the last element (0 for empty tensors)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride, strict=True))) * itemsize
+
+
+def _contiguous_stride(shape) -> list[int]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return stride[::-1]
+
+
+def _pack(sizes: list[int], block_bytes: int) -> tuple[list[StorageSpec], list[BlockSpec]]:
+    storages, blocks = [], []
+    used = block_bytes  # forces a new block at the first storage
+    for size in sizes:
+        size = _align(max(size, 1))
+        if size > block_bytes:
+            blocks.append(BlockSpec(size))
+            storages.append(StorageSpec(len(blocks) - 1, 0, size))
+            used = block_bytes
+            continue
+        if used + size > block_bytes:
+            blocks.append(BlockSpec(0))
+            used = 0
+        storages.append(StorageSpec(len(blocks) - 1, used, size))
+        used += size
+        blocks[-1].nbytes = used
+    return storages, blocks
+
+
+def plan_for_metas(metas: list[TensorMeta], block_bytes: int = DEFAULT_BLOCK_BYTES) -> Manifest:
+    """Pack freshly produced (contiguous) tensors, one storage each."""
+    _check_unique([m.name for m in metas])
+    sizes, specs = [], []
+    for i, m in enumerate(metas):
+        if m.role not in ROLES:
+            raise ValueError(f"{m.name}: unknown role {m.role!r}")
+        dtype = parse_dtype(m.dtype)
+        sizes.append(math.prod(m.shape) * _itemsize(dtype))
+        specs.append(TensorSpec(m.name, m.dtype, list(m.shape), _contiguous_stride(m.shape), i, 0, m.role))
+    storages, blocks = _pack(sizes, block_bytes)
+    return Manifest(specs, storages, blocks)
+
+
+def _check_unique(names) -> None:
+    seen = set()
+    for n in names:
+        if n in seen:
+            raise ValueError(f"duplicate tensor name {n!r}")
+        seen.add(n)
+
+
+def _storage_id(t: torch.Tensor):
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def storage_groups(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[str]]]:
+    """Group tensors by shared storage: (a member tensor, span start byte, span end byte, names)."""
+    groups: dict = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: a meta tensor has no data to cache")
+        if t.is_sparse or t.layout != torch.strided:
+            raise ValueError(f"{name}: only strided (dense) tensors can be cached, got {t.layout}")
+        item = t.element_size()
+        start = t.storage_offset() * item
+        end = start + _extent_bytes(t.shape, t.stride(), item)
+        if any(st < 0 for st in t.stride()):
+            raise ValueError(f"{name}: negative strides are not supported")
+        sid = _storage_id(t)
+        g = groups.get(sid)
+        if g is None:
+            groups[sid] = [t, start, end, [name]]
+        else:
+            g[1], g[2] = min(g[1], start), max(g[2], end)
+            g[3].append(name)
+    return [tuple(g) for g in groups.values()]
+
+
+def plan_for_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    roles: Mapping[str, str] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> tuple[Manifest, list[tuple[torch.Tensor, int, int]]]:
+    """Pack existing tensors; tensors sharing storage share bytes. Returns the manifest and, per storage,
+    (member tensor, span start, span end) for copying the bytes in."""
+    roles = roles or {}
+    groups = storage_groups(tensors)
+    storages, blocks = _pack([end - start for _, start, end, _ in groups], block_bytes)
+    index = {}
+    for gi, (_, start, _, names) in enumerate(groups):
+        for n in names:
+            index[n] = (gi, start)
+    specs = []
+    for name, t in tensors.items():
+        gi, span_start = index[name]
+        role = roles.get(name, "parameter")
+        if role not in ROLES:
+            raise ValueError(f"{name}: unknown role {role!r}")
+        specs.append(TensorSpec(
+            name, dtype_name(t.dtype), list(t.shape), list(t.stride()), gi,
+            t.storage_offset() * t.element_size() - span_start, role,
+        ))
+    return Manifest(specs, storages, blocks), [(g[0], g[1], g[2]) for g in groups]
+
+
+def storage_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A flat uint8 view over bytes [start, end) of t's storage."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(t.untyped_storage(), start, (end - start,), (1,))
+    return flat
+
+
+def validate(manifest: Manifest) -> None:
+    """Refuse a manifest whose specs point outside their blocks (never build a wild view)."""
+    for i, s in enumerate(manifest.storages):
+        if not 0 <= s.block < len(manifest.blocks):
+            raise ValueError(f"storage {i}: block {s.block} does not exist")
+        if s.offset < 0 or s.nbytes < 0 or s.offset + s.nbytes > manifest.blocks[s.block].nbytes:
+            raise ValueError(f"storage {i}: bytes [{s.offset}, {s.offset + s.nbytes}) outside its block")
+    for t in manifest.tensors:
+        if not 0 <= t.storage < len(manifest.storages):
+            raise ValueError(f"{t.name}: storage {t.storage} does not exist")
+        if len(t.shape) != len(t.stride) or any(s < 0 for s in t.shape) or any(s < 0 for s in t.stride):
+            raise ValueError(f"{t.name}: bad shape/stride {t.shape}/{t.stride}")
+        item = _itemsize(parse_dtype(t.dtype))
+        if t.byte_offset < 0 or t.byte_offset % item:
+            raise ValueError(f"{t.name}: misaligned byte offset {t.byte_offset}")
+        end = t.byte_offset + _extent_bytes(t.shape, t.stride, item)
+        if end > manifest.storages[t.storage].nbytes:
+            raise ValueError(f"{t.name}: extends past its storage")
+    _check_unique(t.name for t in manifest.tensors)
+
+
+def build_views(manifest: Manifest, blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One typed view per tensor over 1-D uint8 block tensors; tensors sharing a storage share bytes."""
+    if len(blocks) != len(manifest.blocks):
+        raise ValueError(f"manifest has {len(manifest.blocks)} blocks, got {len(blocks)}")
+    views = {}
+    for t in manifest.tensors:
+        s = manifest.storages[t.storage]
+        dtype = parse_dtype(t.dtype)
+        item = _itemsize(dtype)
+        start = s.offset + t.byte_offset
+        # view(dtype) needs a slice whose length is a multiple of the item size
+        length = s.nbytes - t.byte_offset
+        length -= length % item
+        base = blocks[s.block][start:start + length].view(dtype)
+        views[t.name] = base.as_strided(t.shape, t.stride)
+    return views
