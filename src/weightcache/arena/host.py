@@ -21,11 +21,39 @@ def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
+def available_host_memory() -> int:
+    """Bytes this process may still take: MemAvailable, capped by the cgroup's limit when there is one."""
+    avail = None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read())
+            avail = min(avail, int(limit) - used) if avail is not None else int(limit) - used
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 1 << 62
+
+
+def _out_of_memory(nbytes: int, why: str) -> ArenaOutOfMemory:
+    return ArenaOutOfMemory(
+        f"cannot reserve {nbytes / 2**30:.2f} GiB of host memory for the arena "
+        f"({available_host_memory() / 2**30:.2f} GiB available): {why}"
+    )
+
+
 class HostBlock:
     """One memfd-backed block owned by a daemon."""
 
     def __init__(self, nbytes: int, name: str = "weightcache"):
         self.nbytes = (max(nbytes, 1) + PAGE - 1) // PAGE * PAGE
+        if self.nbytes > available_host_memory():
+            raise _out_of_memory(self.nbytes, "not enough free memory")
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.nbytes)
@@ -33,9 +61,7 @@ class HostBlock:
                 os.posix_fallocate(self.fd, 0, self.nbytes)  # reserve now: fail clearly, never SIGBUS later
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise ArenaOutOfMemory(
-                        f"cannot reserve {self.nbytes / 2**30:.2f} GiB of host memory for the arena: {e.strerror}"
-                    ) from None
+                    raise _out_of_memory(self.nbytes, e.strerror) from None
                 raise
             self._mm = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

@@ -1,0 +1,404 @@
+"""Publish -> attach round trips, read-only mappings, either side dying, leaks, concurrency."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import weightcache as wc
+from conftest import DEVICES
+from procs import bits, sample_tensors, start_daemon
+from weightcache.key import CacheKey
+
+KEY = CacheKey(model="sample", content_digest="d0")
+
+
+def _sock(sockdir):
+    return os.path.join(sockdir, "r0.sock")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_every_dtype_bit_identical(sockdir, device):
+    src = sample_tensors(device)
+    with wc.publish(src, _sock(sockdir), KEY):
+        with wc.attach(_sock(sockdir), expect=KEY) as att:
+            assert set(att) == set(src)
+            for name, t in src.items():
+                v = att[name]
+                assert v.device.type == torch.device(device).type
+                assert (v.dtype, v.shape, v.stride()) == (t.dtype, t.shape, t.stride()), name
+                assert torch.equal(bits(v), bits(t)), name
+            assert att["embed"].data_ptr() == att["lm_head"].data_ptr()  # tied stays tied
+            assert att["slice_a"].untyped_storage().data_ptr() == att["slice_b"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_mode_is_private_and_writable(sockdir, device):
+    src = sample_tensors(device)
+    with wc.publish(src, _sock(sockdir), KEY):
+        with wc.attach(_sock(sockdir), mode="copy") as mine, wc.attach(_sock(sockdir)) as shared:
+            mine["embed"].add_(1.0)
+            assert torch.equal(mine["embed"], mine["lm_head"])  # ties survive the copy
+            assert torch.equal(bits(shared["embed"]), bits(src["embed"]))
+
+
+def test_writable_map_is_shared(sockdir):
+    with wc.publish({"w": torch.zeros(4)}, _sock(sockdir), KEY):
+        a = wc.attach(_sock(sockdir), readonly=False)
+        b = wc.attach(_sock(sockdir))
+        a["w"][0] = 7.0
+        assert b["w"][0].item() == 7.0
+        a.close()
+        b.close()
+
+
+WRITER = """
+import sys, torch, weightcache
+att = weightcache.attach({sock!r})
+t = att["embed"]
+print("ATTACHED", flush=True)
+t.add_(1.0)
+if t.is_cuda:
+    torch.cuda.synchronize()
+print("WROTE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_through_readonly_mapping_faults_and_daemon_bytes_survive(sockdir, device):
+    src = sample_tensors(device)
+    with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        proc = subprocess.run(
+            [sys.executable, "-c", WRITER.format(sock=_sock(sockdir))], capture_output=True, text=True, timeout=120
+        )
+        assert "ATTACHED" in proc.stdout
+        assert "WROTE" not in proc.stdout
+        assert proc.returncode != 0
+        if device == "cpu":
+            assert proc.returncode == -signal.SIGSEGV
+        else:
+            assert "illegal" in proc.stderr.lower() or "error" in proc.stderr.lower()
+        assert daemon.state == "ready"
+        with wc.attach(_sock(sockdir)) as att:
+            assert torch.equal(bits(att["embed"]), bits(src["embed"]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_keeps_computing_after_daemon_sigkill(sockdir, device):
+    proc = start_daemon(_sock(sockdir), device)
+    try:
+        att = wc.attach(_sock(sockdir), expect=KEY)
+        expected = sample_tensors(device)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        x = torch.randn(5, 33, device=att["embed"].device)
+        got = x @ att["embed"].float().t() + att["w_t"].float().sum()
+        want = x @ expected["embed"].float().t() + expected["w_t"].float().sum()
+        assert torch.allclose(got, want)
+        assert torch.equal(bits(att["fp8_e4m3"]), bits(expected["fp8_e4m3"]))
+        att.close()
+    finally:
+        proc.kill()
+    # the killed daemon left its socket behind: attach says so clearly, a new daemon replaces it
+    with pytest.raises(wc.DaemonUnavailable, match="stale"):
+        wc.attach(_sock(sockdir))
+    with wc.publish({"x": torch.ones(2)}, _sock(sockdir), KEY):
+        assert wc.query_status(_sock(sockdir)).state == "ready"
+
+
+ENGINE_DIES = """
+import os, weightcache
+att = weightcache.attach({sock!r})
+assert att["embed"].sum() == att["embed"].sum()
+os._exit(9)
+"""
+
+
+def test_engine_dies_daemon_serves_next(sockdir):
+    src = sample_tensors()
+    with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        for _ in range(3):
+            rc = subprocess.run([sys.executable, "-c", ENGINE_DIES.format(sock=_sock(sockdir))], timeout=60).returncode
+            assert rc == 9
+        with wc.attach(_sock(sockdir)) as att:
+            assert torch.equal(att["embed"], src["embed"])
+        st = daemon.status()
+        assert st.attaches_served == 4
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_thousand_attach_close_cycles_leak_nothing(sockdir, device):
+    proc = start_daemon(_sock(sockdir), device, scale=50)  # a few MB, so a leak would show in RSS
+    try:
+        me = psutil.Process()
+
+        def cycle(n):
+            for _ in range(n):
+                att = wc.attach(_sock(sockdir))
+                s = att["embed"][0, 0].item()
+                att.close()
+                del att
+            return s
+
+        cycle(50)
+        fds, rss = _open_fds(), me.memory_info().rss
+        gpu = torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+        cycle(1000)
+        assert _open_fds() <= fds
+        assert me.memory_info().rss - rss < 32 << 20
+        if device == "cuda":
+            assert abs(torch.cuda.mem_get_info()[0] - gpu) < 64 << 20
+        st = wc.query_status(_sock(sockdir))
+        assert st.attaches_served == 1050 and st.clients_attached == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_many_concurrent_clients_get_correct_weights(sockdir):
+    src = sample_tensors()
+    errors = []
+    with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        def engine():
+            try:
+                with wc.attach(_sock(sockdir), expect=KEY) as att:
+                    for name, t in src.items():
+                        assert torch.equal(bits(att[name]), bits(t))
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=engine) for _ in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        assert daemon.status().attaches_served == 32
+
+
+def test_silent_client_does_not_stall_others(sockdir):
+    import socket
+
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY, hello_timeout=30.0):
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(_sock(sockdir))  # connects and says nothing
+        with wc.attach(_sock(sockdir), timeout=5.0) as att:
+            assert att["w"].sum().item() == 3.0
+        silent.close()
+
+
+def test_silent_client_is_dropped_after_its_deadline(sockdir):
+    import socket
+
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY, hello_timeout=0.3):
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(_sock(sockdir))
+        silent.settimeout(5.0)
+        data = silent.recv(4096)  # an error frame, then EOF
+        assert b"protocol" in data
+        silent.close()
+
+
+def test_wrong_key_lists_every_differing_field(sockdir):
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY) as daemon:
+        wrong = KEY.replace(dtype="bfloat16", layout="dp1-pp1-tp2", content_digest="other")
+        with pytest.raises(wc.KeyMismatch) as err:
+            wc.attach(_sock(sockdir), expect=wrong)
+        fields = {d.field for d in err.value.diffs}
+        assert fields == {"dtype", "layout", "content_digest"}
+        for f in fields:
+            assert f in str(err.value)
+        assert daemon.status().attaches_refused == 1
+        with wc.attach(_sock(sockdir), expect=KEY) as att:  # still serving
+            assert att["w"].sum().item() == 3.0
+
+
+def _attach_as(uid: int, sock: str) -> str:
+    """Attach from a forked child running as another uid; returns what it saw."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no exec, the modules are already imported
+        os.close(r)
+        try:
+            os.setuid(uid)
+            wc.attach(sock)
+            out = "ATTACHED"
+        except wc.PermissionDenied as e:
+            out = f"DENIED {e}"
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = f"OTHER {type(e).__name__}: {e}"
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch uid")
+def test_peer_with_another_uid_is_refused(sockdir):
+    os.chmod(sockdir, 0o755)
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY, allowed_uids=[4242]) as daemon:
+        out = _attach_as(65534, _sock(sockdir))
+        assert out.startswith("DENIED") and "65534" in out, out
+        assert daemon.status().attaches_refused == 1
+        assert _attach_as(4242, _sock(sockdir)) == "ATTACHED"
+        with wc.attach(_sock(sockdir)) as att:
+            assert att["w"].sum().item() == 3.0
+
+
+def test_default_socket_is_owner_only(sockdir):
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY):
+        assert os.stat(_sock(sockdir)).st_mode & 0o777 == 0o600
+
+
+def test_live_socket_is_never_stolen(sockdir):
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY):
+        with pytest.raises(wc.SocketInUse):
+            wc.publish({"w": torch.zeros(3)}, _sock(sockdir), KEY)
+        with wc.attach(_sock(sockdir)) as att:
+            assert att["w"].sum().item() == 3.0
+
+
+def test_non_socket_file_is_not_replaced(sockdir):
+    path = _sock(sockdir)
+    with open(path, "w") as f:
+        f.write("precious")
+    with pytest.raises(wc.SocketInUse, match="not a socket"):
+        wc.publish({"w": torch.ones(3)}, path, KEY)
+    assert open(path).read() == "precious"
+
+
+def test_group_writable_socket_dir_is_refused(sockdir):
+    os.chmod(sockdir, 0o777)
+    with pytest.raises(wc.WeightCacheError, match="writable by others"):
+        wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY)
+
+
+def test_missing_daemon_is_a_clear_error(sockdir):
+    with pytest.raises(wc.DaemonUnavailable, match="no such socket"):
+        wc.attach(_sock(sockdir))
+
+
+class SlowSource:
+    def __init__(self):
+        self.release = threading.Event()
+
+    def describe(self):
+        from weightcache.manifest import TensorMeta
+
+        return [TensorMeta("w", "float32", [1024])]
+
+    def fill(self, views, progress):
+        views["w"][:512] = 1.0
+        progress(2048)
+        self.release.wait(30)
+        views["w"][512:] = 2.0
+        progress(2048)
+
+    def key_fields(self):
+        return {}
+
+
+def test_attach_waits_while_loading_then_gets_weights(sockdir):
+    daemon = wc.Daemon(_sock(sockdir), KEY)
+    daemon.start()
+    src = SlowSource()
+    loader = threading.Thread(target=daemon.load, args=(src,))
+    loader.start()
+    try:
+        with pytest.raises(wc.DaemonNotReady, match="loading"):
+            wc.attach(_sock(sockdir), wait=0.0)
+        st = wc.query_status(_sock(sockdir))
+        assert st.state == "loading" and st.done == 2048 and st.total == 4096
+        threading.Timer(0.3, src.release.set).start()
+        with wc.attach(_sock(sockdir), wait=10.0) as att:
+            assert att["w"].sum().item() == 512 * 1.0 + 512 * 2.0
+    finally:
+        src.release.set()
+        loader.join()
+        daemon.close()
+
+
+class BrokenSource(SlowSource):
+    def fill(self, views, progress):
+        raise FileNotFoundError("model-00002-of-00002.safetensors")
+
+
+def test_failed_load_is_reported_to_engines(sockdir):
+    daemon = wc.Daemon(_sock(sockdir), KEY)
+    daemon.start()
+    with pytest.raises(FileNotFoundError):
+        daemon.load(BrokenSource())
+    try:
+        assert wc.query_status(_sock(sockdir)).state == "failed"
+        with pytest.raises(wc.DaemonNotReady, match="model-00002"):
+            wc.attach(_sock(sockdir), wait=5.0)
+    finally:
+        daemon.close()
+    assert not os.path.exists(_sock(sockdir))
+
+
+def test_host_arena_out_of_memory_is_clear():
+    from weightcache.arena.host import HostBlock
+
+    with pytest.raises(wc.ArenaOutOfMemory, match="GiB"):
+        HostBlock(1 << 50)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_is_clear():
+    from weightcache.arena.cuda import CudaBlock
+
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(wc.ArenaOutOfMemory, match="GiB free"):
+        CudaBlock(free + (64 << 30), 0)
+
+
+@pytest.mark.gpu
+def test_gpu_attach_adds_no_device_memory(sockdir):
+    proc = start_daemon(_sock(sockdir), "cuda", scale=20000)  # ~250 MB
+    try:
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+        before = torch.cuda.mem_get_info()[0]
+        att = wc.attach(_sock(sockdir))
+        after = torch.cuda.mem_get_info()[0]
+        assert att.nbytes > 200 << 20
+        assert before - after < 8 << 20
+        att.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_status_counts_clients(sockdir):
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY):
+        a = wc.attach(_sock(sockdir))
+        b = wc.attach(_sock(sockdir))
+        st = wc.query_status(_sock(sockdir))
+        assert st.clients_attached == 2 and st.attaches_served == 2 and st.bytes_served == 2 * a.nbytes
+        a.close()
+        b.close()
+        deadline = time.monotonic() + 5
+        while wc.query_status(_sock(sockdir)).clients_attached and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert wc.query_status(_sock(sockdir)).clients_attached == 0
+
+
+def test_daemon_sigterm_removes_socket(sockdir):
+    proc = start_daemon(_sock(sockdir))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not os.path.exists(_sock(sockdir))
