@@ -81,6 +81,7 @@ def llama_config(
 
     _validate(hidden_size, num_layers, intermediate_size, num_heads, num_kv_heads, vocab_size)
     return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
