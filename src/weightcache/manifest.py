@@ -210,14 +210,15 @@ def build_views(manifest: Manifest, blocks: list[torch.Tensor]) -> dict[str, tor
     if len(blocks) != len(manifest.blocks):
         raise ValueError(f"manifest has {len(manifest.blocks)} blocks, got {len(blocks)}")
     views = {}
+    typed: dict[tuple[int, str], torch.Tensor] = {}  # one typed alias per (block, dtype): one op per view
     for t in manifest.tensors:
         s = manifest.storages[t.storage]
-        dtype = parse_dtype(t.dtype)
-        item = _itemsize(dtype)
+        flat = typed.get((s.block, t.dtype))
+        if flat is None:
+            dtype = parse_dtype(t.dtype)
+            block = blocks[s.block]
+            usable = block.numel() - block.numel() % _itemsize(dtype)
+            flat = typed[(s.block, t.dtype)] = block[:usable].view(dtype)
         start = s.offset + t.byte_offset
-        # view(dtype) needs a slice whose length is a multiple of the item size
-        length = s.nbytes - t.byte_offset
-        length -= length % item
-        base = blocks[s.block][start:start + length].view(dtype)
-        views[t.name] = base.as_strided(t.shape, t.stride)
+        views[t.name] = flat.as_strided(t.shape, t.stride, flat.storage_offset() + start // flat.element_size())
     return views
