@@ -46,6 +46,7 @@ class Rendezvous:
         self._prefix = f"weightcache/{group}/"
         self._linger = False  # the start failed: node 0 keeps the store up until the others read why
         self._stamps: dict[int, dict[str, str]] = {}
+        self._seen = False
 
     @property
     def is_master(self) -> bool:
@@ -104,8 +105,10 @@ class Rendezvous:
         self._linger = True
         raise RendezvousError(f"[{self.group}] the start failed on another node:\n  " + "\n  ".join(msgs))
 
-    def _wait_for(self, names: list[str], what: str, deadline: float) -> None:
+    def _wait_for(self, names: list[str], what: str, deadline: float, on_poll=None) -> None:
         while True:
+            if on_poll is not None:
+                on_poll()
             self._raise_if_failed()
             missing = [n for n in names if not self._check([n])]
             if not missing:
@@ -118,9 +121,11 @@ class Rendezvous:
             time.sleep(POLL_S)
 
     # --- protocol ---
-    def agree(self, stamp: Mapping[str, str], ranks: Iterable[int], world_size: int | None = None
-              ) -> dict[int, dict[str, str]]:
-        """Publish this node's stamp and ranks, wait for every node, and check that they agree."""
+    def agree(self, stamp: Mapping[str, str], ranks: Iterable[int], world_size: int | None = None,
+              on_poll=None) -> dict[int, dict[str, str]]:
+        """Publish this node's stamp and ranks, wait for every node, and check that they agree.
+
+        `on_poll()` runs while waiting (e.g. to notice a local daemon dying); what it raises propagates."""
         assert self.store is not None, "start() first"
         ranks = sorted(int(r) for r in ranks)
         stamp = {k: str(v) for k, v in stamp.items()}
@@ -133,7 +138,7 @@ class Rendezvous:
         self._set(f"ranks/{self.node_rank}", ranks)
         deadline = time.monotonic() + self.timeout
         names = [f"stamp/{n}" for n in range(self.nnodes)] + [f"ranks/{n}" for n in range(self.nnodes)]
-        self._wait_for(names, "every node to join", deadline)
+        self._wait_for(names, "every node to join", deadline, on_poll)
         stamps = {n: self._get(f"stamp/{n}") for n in range(self.nnodes)}
         node_ranks = {n: self._get(f"ranks/{n}") for n in range(self.nnodes)}
         problems = []
@@ -174,21 +179,29 @@ class Rendezvous:
     def mark_ready(self, info: Mapping | None = None) -> None:
         self._set(f"ready/{self.node_rank}", dict(info or {}))
 
+    def poll_ready(self) -> bool:
+        """True once every node is ready and (on node 0) every node has seen it; raises if one failed."""
+        self._raise_if_failed()
+        if not self._check([f"ready/{n}" for n in range(self.nnodes)]):
+            return False
+        if not self.is_master:
+            if not self._seen:
+                self._call(self.store.add, self._k("seen_ready"), 1)
+                self._seen = True
+            return True
+        # Node 0 hosts the store: it may exit only after every node has read the verdict.
+        return self._call(self.store.add, self._k("seen_ready"), 0) >= self.nnodes - 1
+
     def wait_ready(self, timeout: float | None = None) -> dict[int, dict]:
         """Block until every node is ready (cluster-wide readiness) or one failed."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._wait_for([f"ready/{n}" for n in range(self.nnodes)], "every node to be ready", deadline)
-        out = {n: self._get(f"ready/{n}") for n in range(self.nnodes)}
-        if not self.is_master:
-            self._call(self.store.add, self._k("seen_ready"), 1)
-        else:
-            # Return only once every node has read the verdict, so node 0 may exit right after.
-            while self._call(self.store.add, self._k("seen_ready"), 0) < self.nnodes - 1:
-                self._raise_if_failed()
-                if time.monotonic() > deadline:
-                    raise RendezvousError(f"[{self.group}] timed out waiting for every node to see readiness")
-                time.sleep(POLL_S)
-        return out
+        while not self.poll_ready():
+            if time.monotonic() > deadline:
+                missing = [n for n in range(self.nnodes) if not self._check([f"ready/{n}"])]
+                raise RendezvousError(f"[{self.group}] timed out after {self.timeout:.0f} s waiting for every "
+                                      f"node to be ready (not ready: node(s) {missing})")
+            time.sleep(POLL_S)
+        return {n: self._get(f"ready/{n}") for n in range(self.nnodes)}
 
     def cluster_state(self) -> dict[str, object]:
         """Which nodes joined, are ready, failed (for /status)."""

@@ -1,0 +1,384 @@
+"""`weightcache preload | status | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import LayoutError
+from .layout import Layout
+
+ENGINES = ("transformers", "safetensors", "vllm")
+DEFAULT_HEALTH_HOST = "127.0.0.1"
+
+log = logging.getLogger("weightcache.cli")
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed without a traceback, exit code 2."""
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
+    return v
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `preload` flags (named like vLLM's); reusable by other preload front ends."""
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory (or use --model)")
+    p.add_argument("--model", help="checkpoint directory (Hugging Face layout: config.json + *.safetensors)")
+    p.add_argument("--engine", choices=ENGINES, default="transformers",
+                   help="who produces the weights: the plain checkpoint source (transformers/safetensors, "
+                        "default) or vLLM's own loader (vllm)")
+    p.add_argument("--revision", default="", help="model revision recorded in the cache key")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16, float32, ...")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the weights live (default: cuda when available, else cpu)")
+    p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
+                   help="tensor-parallel plan (pattern -> colwise/rowwise/...); default: transformers' plan "
+                        "for the model's architecture")
+    par = p.add_argument_group("parallel layout (as vLLM)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
+    par.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1)
+    par.add_argument("--data-parallel-size", "-dp", type=_positive, default=1)
+    par.add_argument("--data-parallel-size-local", "-dpl", type=_positive, default=None,
+                     help="DP ranks on this node (DP across nodes)")
+    par.add_argument("--data-parallel-rank", "-dpn", type=_non_negative, default=None,
+                     help="first DP rank on this node (DP across nodes)")
+    par.add_argument("--data-parallel-address", "-dpa", default=None, help="node 0's address (DP across nodes)")
+    par.add_argument("--enable-expert-parallel", "-ep", action="store_true")
+    par.add_argument("--nnodes", "-n", type=_positive, default=1, help="nodes the TP/PP ranks span")
+    par.add_argument("--node-rank", "-r", type=_non_negative, default=0)
+    par.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1 on one node)")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None, metavar="DIR",
+                      help="draft model checkpoint: a second daemon group with role 'draft'")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='vLLM-style JSON; its "model" (and "draft_tensor_parallel_size") are used')
+    spec.add_argument("--draft-tensor-parallel-size", type=_positive, default=None,
+                      help="TP size of the draft group (default: the main model's)")
+    wc = p.add_argument_group("weight cache")
+    wc.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
+                    help="where the daemons' sockets live (default: a per-user 0700 directory)")
+    wc.add_argument("--weight-cache-master-port", type=_port, default=None,
+                    help="rendezvous port of the main group on node 0 (required across nodes; else free)")
+    wc.add_argument("--weight-cache-draft-master-port", type=_port, default=None,
+                    help="rendezvous port of the draft group (default: master port + 1 across nodes; else "
+                         "free); must differ from the main one")
+    wc.add_argument("--weight-cache-health-port", type=_non_negative, default=None,
+                    help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
+    wc.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST)
+    wc.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S",
+                    help="give up if the daemons are not ready after this long")
+    wc.add_argument("--weight-cache-rendezvous-timeout", type=float, default=600.0, metavar="S",
+                    help="how long nodes wait for each other")
+    wc.add_argument("--weight-cache-allow-loopback-nodes", action="store_true",
+                    help="let several 'nodes' share one host over loopback (testing)")
+    wc.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,demo}")
+    add_preload_arguments(sub.add_parser(
+        "preload", help="start a daemon per rank and keep the weights loaded",
+        description="Start one weight cache daemon per rank of this node (DP x PP x TP, +EP) and hold the "
+                    "weights until SIGINT/SIGTERM. Flags are named like vLLM's."))
+    st = sub.add_parser("status", help="list the daemons in a socket directory")
+    st.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each daemon")
+    sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- preload
+
+def _speculative(args) -> None:
+    if not args.speculative_config:
+        return
+    try:
+        cfg = json.loads(args.speculative_config)
+    except ValueError as e:
+        raise UsageError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UsageError("--speculative-config must be a JSON object")
+    model = cfg.get("model")
+    if model and args.draft_model and model != args.draft_model:
+        raise UsageError(f"--speculative-config model {model!r} differs from --speculative-model "
+                         f"{args.draft_model!r}")
+    if model:
+        args.draft_model = model
+    if cfg.get("draft_tensor_parallel_size") and not args.draft_tensor_parallel_size:
+        args.draft_tensor_parallel_size = int(cfg["draft_tensor_parallel_size"])
+
+
+def layouts_from_args(args, device_type: str, local_devices: int | None):
+    """(main layout, draft layout or None) from the parsed flags; refuses bad combinations clearly."""
+    kw = dict(
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_rank=args.data_parallel_rank, data_parallel_address=args.data_parallel_address,
+        enable_expert_parallel=args.enable_expert_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, device_type=device_type, local_devices=local_devices,
+    )
+    cls = LoopbackLayout if args.weight_cache_allow_loopback_nodes else Layout
+    try:
+        main = cls.from_vllm_args(**kw)
+        draft = None
+        if args.draft_model:
+            dtp = args.draft_tensor_parallel_size or args.tensor_parallel_size
+            draft = cls.from_vllm_args(**{**kw, "tensor_parallel_size": dtp, "role": "draft"})
+            if draft.local_size != main.local_size and dtp not in (1, args.tensor_parallel_size):
+                raise LayoutError(f"draft tensor parallel size {dtp} must be 1 or the main model's "
+                                  f"({args.tensor_parallel_size})")
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
+    return main, draft
+
+
+class LoopbackLayout(Layout):
+    """A Layout whose "nodes" may share one host over loopback (--weight-cache-allow-loopback-nodes)."""
+
+    def _check_addresses(self) -> None:
+        if self.nodes > 1 and self.dp_local is None and not self.master_addr:
+            raise LayoutError(f"{self.nodes} nodes need --master-addr (the same on every node)")
+        if self.dp_local is not None and self.dp_local < self.dp and not (self.dp_address or self.master_addr):
+            raise LayoutError(f"data parallel across {self.nodes} nodes needs --data-parallel-address")
+
+
+def resolve_ports(args, nodes: int, has_draft: bool) -> tuple[int, int]:
+    """(main port, draft port); 0 means a free port chosen at start (single node only)."""
+    main = args.weight_cache_master_port or 0
+    draft = args.weight_cache_draft_master_port or 0
+    if nodes > 1 and not main:
+        raise UsageError(f"the daemons span {nodes} nodes: pass --weight-cache-master-port (the same on "
+                         "every node; a port node 0 can listen on)")
+    if has_draft and nodes > 1 and not draft:
+        draft = main + 1
+        if draft > 65535:
+            raise UsageError("--weight-cache-master-port 65535 leaves no port for the draft group; "
+                             "pass --weight-cache-draft-master-port")
+    if has_draft and main and draft and main == draft:
+        raise UsageError(f"the main and draft groups need different rendezvous ports, both are {main}: "
+                         "change --weight-cache-draft-master-port")
+    return main, draft
+
+
+def checkpoint_source(placement, *, path: str, dtype: str = "auto", tp_plan=None, threads: int = 8):
+    """The checkpoint source, built in each daemon process for its placement. dtype "auto" keeps the
+    files' dtypes."""
+    from .key import parse_dtype
+    from .sources.safetensors import SafetensorsSource
+
+    return SafetensorsSource(
+        path, dtype=None if dtype in ("auto", "", None) else parse_dtype(dtype), tp_rank=placement.tp_rank,
+        tp_size=placement.tp_size, tp_plan=tp_plan, device=placement.device, threads=threads,
+        progress=placement.local_index == 0,  # one progress bar per node
+    )
+
+
+def transformers_key(source, placement, *, layout: str, role: str, path: str, dtype: str, revision: str):
+    """The key the transformers engine expects (engines.transformers.key_for_checkpoint)."""
+    from .engines.transformers import key_for_checkpoint
+
+    key = key_for_checkpoint(path, dtype=dtype, layout=layout, rank=placement.rank, role=role,
+                             revision=revision or None)
+    plan = source.key_fields().get("tp_plan")
+    return key.replace(extra={**key.extra, "tp_plan": plan}) if plan else key
+
+
+def _tp_plan(text: str | None):
+    if not text:
+        return None
+    if text in ("auto", "none"):
+        return text
+    try:
+        raw = Path(text).read_text() if not text.lstrip().startswith("{") else text
+        plan = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--tp-plan {text!r}: not a JSON object or a readable JSON file ({e})") from None
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        raise UsageError('--tp-plan must map tensor patterns to styles, e.g. {"layers.*.mlp.down_proj": "rowwise"}')
+    return plan
+
+
+def preload_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="weightcache preload")
+    add_preload_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    try:
+        return _preload(args)
+    except UsageError as e:
+        print(f"weightcache preload: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _preload(args) -> int:
+    from .errors import WeightCacheError
+    from .supervisor import Group, StartError, Supervisor
+
+    model = args.model or args.model_pos
+    if not model:
+        raise UsageError("no model: pass --model DIR")
+    if args.model and args.model_pos and args.model != args.model_pos:
+        raise UsageError(f"two models given: {args.model_pos!r} and --model {args.model!r}")
+    _speculative(args)
+    for name, path in (("--model", model), ("--speculative-model", args.draft_model)):
+        if path and not Path(path).exists():
+            raise UsageError(f"{name} {path}: no such file or directory")
+    device = args.device
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is visible (check CUDA_VISIBLE_DEVICES / drivers)")
+    local_devices = torch.cuda.device_count() if device == "cuda" else None
+    main_layout, draft_layout = layouts_from_args(args, device, local_devices)
+    main_port, draft_port = resolve_ports(args, main_layout.nodes, draft_layout is not None)
+    master_addr = args.master_addr or args.data_parallel_address or "127.0.0.1"
+
+    from .naming import default_socket_dir, ensure_private_dir
+
+    try:
+        socket_dir = ensure_private_dir(args.weight_cache_socket_dir) if args.weight_cache_socket_dir \
+            else default_socket_dir()
+    except (OSError, WeightCacheError) as e:
+        raise UsageError(f"socket directory: {e}") from None
+
+    if args.pipeline_parallel_size > 1:
+        raise UsageError("the checkpoint source has no pipeline-parallel split; use --pipeline-parallel-size 1 "
+                         "or --engine vllm")
+    if args.enable_expert_parallel:
+        raise UsageError("the checkpoint source does not shard experts over DP x TP; drop "
+                         "--enable-expert-parallel or use --engine vllm")
+    dtype = args.dtype
+    if dtype not in ("auto", ""):
+        from .key import parse_dtype
+
+        try:
+            parse_dtype(dtype)
+        except ValueError as e:
+            raise UsageError(f"--dtype: {e}") from None
+    tp_plan = _tp_plan(args.tp_plan)
+
+    from .key import checkpoint_digest
+
+    groups = []
+    plans = [("main", model, main_layout, main_port)]
+    if draft_layout is not None:
+        plans.append(("draft", args.draft_model, draft_layout, draft_port))
+    for role, path, layout, port in plans:
+        try:
+            checkpoint_digest(path)  # hashed once here; every daemon then only stat()s the files
+        except OSError as e:
+            raise UsageError(f"{role} model {path}: {e}") from None
+        if args.engine == "transformers":
+            from .engines.transformers import resolve_dtype
+            from .key import dtype_name
+
+            try:
+                src_dtype = dtype_name(resolve_dtype(path, dtype))  # what from_pretrained would load
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{role} model {path}: {e}") from None
+            make_key = transformers_key
+            key_args = {"path": str(path), "dtype": src_dtype, "revision": args.revision}
+        else:
+            make_key, key_args, src_dtype = None, {"revision": args.revision}, dtype
+        groups.append(Group(role=role, layout=layout, make_source=checkpoint_source,
+                            source_args={"path": str(path), "dtype": src_dtype, "tp_plan": tp_plan},
+                            make_key=make_key, key_args=key_args, master_addr=master_addr, master_port=port,
+                            info={"engine": args.engine}))
+    try:
+        sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
+                         health_port=args.weight_cache_health_port,
+                         start_timeout=args.weight_cache_start_timeout,
+                         rendezvous_timeout=args.weight_cache_rendezvous_timeout,
+                         log_level=getattr(logging, args.log_level))
+    except StartError as e:
+        raise UsageError(str(e)) from None
+    return sup.run()
+
+
+# ------------------------------------------------------------------------------------------------ status
+
+def status_main(args) -> int:
+    from .naming import default_socket_dir
+    from .status_table import collect, format_table
+
+    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir()
+    if not socket_dir.is_dir():
+        print(f"weightcache status: error: {socket_dir} is not a directory", file=sys.stderr)
+        return 2
+    rows = collect(socket_dir, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows, socket_dir))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+def _engine_of(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--engine" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--engine="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from . import demo
+
+        return demo.main(argv[1:]) or 0
+    if argv and argv[0] == "preload":
+        rest = argv[1:]
+        if _engine_of(rest) == "vllm":
+            from . import vllm_preload
+
+            return vllm_preload.main(rest) or 0
+        return preload_main(rest)
+    args = build_parser().parse_args(argv)
+    if args.command == "status":
+        return status_main(args)
+    return build_parser().parse_args(argv + ["--help"]) or 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())
