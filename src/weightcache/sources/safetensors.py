@@ -31,7 +31,7 @@ from .tp_plan import ShardSpec, TPPlan, TPPlanError, resolve_plan
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100 << 20
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 INDEX_NAME = "model.safetensors.index.json"
 
 _ST_DTYPES = {
