@@ -197,7 +197,10 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
         while not go.wait(0.5):
             pass
-        daemon.load(source)
+        if hasattr(source, "load_into"):  # builds its own tensors (vLLM's loader); packs them with sharing kept
+            source.load_into(daemon)
+        else:
+            daemon.load(source)
         st = daemon.status()
         _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds)
         daemon.serve_forever()
