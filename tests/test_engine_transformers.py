@@ -305,6 +305,26 @@ def test_module_attribute_access():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
+def test_bench_restart_smoke_on_cpu(tmp_path):
+    """bench/restart.py end to end on the CPU (the H200 run uses the same code with bigger presets)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "restart.py"), "--models", "tiny", "--runs", "1", "--device", "cpu",
+         "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"transformers", "weightcache"}  # no CUDA IPC without CUDA
+    assert rows["weightcache"]["tokens"] == rows["transformers"]["tokens"]
+    for r in rows.values():
+        assert 0 < r["load_seconds_median"] < r["restart_seconds_median"]
+    assert rows["weightcache"]["phase_attach_median"] < rows["weightcache"]["load_seconds_median"]
+    assert "| tiny |" in (tmp_path / "r.md").read_text()
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
 # ---- GPU (bf16 on CUDA) -----------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import struct
+import time
 import warnings
 from pathlib import Path
 
@@ -293,6 +294,7 @@ def from_pretrained(
     "attach" or "disk"."""
     if mode not in ("map", "copy"):
         raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
+    t0 = time.perf_counter()
     model_dir = _local_dir(path, revision)
     device = _resolve_device(device)
     cfg_json = _read_config(model_dir)
@@ -312,6 +314,7 @@ def from_pretrained(
     sdir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
     key = key_for_checkpoint(model_dir, dtype=torch_dtype, layout=layout, rank=rank, role=role, revision=revision)
     tag = device_tag(device)
+    t_key = time.perf_counter()
     wanted = socket_path(sdir, key, tag)
     if cfg_json.get("quantization_config"):
         problem: Exception | None = WeightCacheError(
@@ -337,12 +340,14 @@ def from_pretrained(
         warnings.warn(f"weightcache: loading {model_dir} from disk: {problem}", NoDaemonWarning, stacklevel=2)
         return _from_disk(model_dir, device, torch_dtype, disk_kwargs)
 
+    t_attach = time.perf_counter()
     try:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         config.name_or_path = str(path)
         model = _build_meta_model(copy.deepcopy(config), torch_dtype, model_kwargs)
+        t_build = time.perf_counter()
         bind(model, _renamed(model, att), roles=att.roles, device=att.device, strict=True,
              ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []))
         _generation_config(model, model_dir, trust_remote_code)
@@ -352,6 +357,9 @@ def from_pretrained(
         raise
     model.__dict__["_weightcache_attachment"] = att
     model.__dict__["_weightcache_source"] = "attach"
+    t_end = time.perf_counter()
+    model.__dict__["_weightcache_timings"] = {"key": t_key - t0, "attach": t_attach - t_key,
+                                              "build": t_build - t_attach, "bind": t_end - t_build}
     log.info("attached %s from %s (%d tensors, %.2f GiB)", model_dir, att.key.model, len(att), att.nbytes / 2**30)
     return model
 
