@@ -130,3 +130,35 @@ def test_bad_arguments(tmp_path):
         llama_config_for_bytes(0)
     with pytest.raises(ValueError, match="direct writing supports"):
         make_llama_checkpoint(tmp_path / "i", dtype=torch.int8, direct=True)
+
+
+def test_default_head_dim_fits_vllm_cpu(tmp_path):
+    from transformers import AutoConfig
+
+    p = make_llama_checkpoint(tmp_path / "h", direct=True)
+    cfg = AutoConfig.from_pretrained(p)
+    assert cfg.head_dim == 32 and cfg.num_attention_heads == 4
+    assert tuple(read_all(p)["model.layers.0.self_attn.q_proj.weight"].shape) == (128, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        make_llama_checkpoint(tmp_path / "x", head_dim=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_generates_what_transformers_generates(tiny, monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for k, v in {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
+                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+        monkeypatch.setenv(k, v)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    ids = tok("hello world", return_tensors="pt")
+    want = AutoModelForCausalLM.from_pretrained(tiny).generate(**ids, max_new_tokens=5, do_sample=False)
+    llm = vllm.LLM(model=str(tiny), dtype="float32", max_model_len=128, enforce_eager=True)
+    try:
+        out = llm.generate(["hello world"], vllm.SamplingParams(max_tokens=5, temperature=0))[0]
+    finally:
+        del llm
+    assert out.prompt_token_ids == ids["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == want[0, ids["input_ids"].shape[1]:].tolist()

@@ -98,8 +98,9 @@ def test_tp_shards_concatenate_to_original(request, which, tp):
 def test_describe_reads_no_data_and_matches_plan(llama):
     src = SafetensorsSource(llama, tp_rank=1, tp_size=2, progress=False)
     metas = {m.name: m for m in src.describe()}
-    assert metas["model.layers.0.self_attn.q_proj.weight"].shape == [32, 64]
-    assert metas["model.layers.0.self_attn.o_proj.weight"].shape == [64, 32]
+    assert metas["model.layers.0.self_attn.q_proj.weight"].shape == [64, 64]  # 4 heads x 32, half
+    assert metas["model.layers.0.self_attn.o_proj.weight"].shape == [64, 64]
+    assert metas["model.layers.0.self_attn.k_proj.weight"].shape == [64, 64]  # 4 kv heads x 32, half
     assert metas["model.embed_tokens.weight"].shape == [512, 64]
     assert {m.dtype for m in metas.values()} == {"float32"}
     assert src.plan.source.startswith("transformers LlamaForCausalLM")

@@ -21,6 +21,7 @@ DEFAULT_SHARD_BYTES = 4 << 30
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # byte-level alphabet + specials
+MIN_HEAD_DIM = 32  # vLLM's CPU attention has no kernels for smaller heads
 
 _CORPUS = """\
 weightcache keeps model weights resident in GPU memory across inference engine restarts.
@@ -64,6 +65,15 @@ def _validate(hidden_size, num_layers, intermediate_size, num_heads, num_kv_head
         )
 
 
+def _head_dim(hidden_size: int, num_heads: int, head_dim: int | None) -> int:
+    """hidden_size / num_heads, but at least MIN_HEAD_DIM unless given explicitly."""
+    if head_dim is None:
+        return max(hidden_size // num_heads, MIN_HEAD_DIM)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    return head_dim
+
+
 def llama_config(
     *,
     hidden_size: int = 64,
@@ -75,6 +85,7 @@ def llama_config(
     tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
     max_position_embeddings: int = 2048,
+    head_dim: int | None = None,
 ):
     """The ``LlamaConfig`` that :func:`make_llama_checkpoint` writes."""
     from transformers import LlamaConfig
@@ -82,6 +93,7 @@ def llama_config(
     _validate(hidden_size, num_layers, intermediate_size, num_heads, num_kv_heads, vocab_size)
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
+        head_dim=_head_dim(hidden_size, num_heads, head_dim),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -107,18 +119,21 @@ def llama_param_shapes(
     num_kv_heads: int,
     vocab_size: int,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and shapes of ``LlamaForCausalLM`` (as ``save_pretrained`` writes them)."""
     _validate(hidden_size, num_layers, intermediate_size, num_heads, num_kv_heads, vocab_size)
     h, i = hidden_size, intermediate_size
-    kv = num_kv_heads * (hidden_size // num_heads)
+    hd = _head_dim(hidden_size, num_heads, head_dim)
+    q = num_heads * hd
+    kv = num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for n in range(num_layers):
         p = f"model.layers.{n}."
-        shapes[p + "self_attn.q_proj.weight"] = (h, h)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
@@ -146,7 +161,7 @@ def llama_config_for_bytes(target_bytes: int, dtype: torch.dtype = torch.bfloat1
     esz = _dtype_size(dtype)
     params = target_bytes // esz
     if params <= 1 << 20:
-        h, heads, kvh, vocab = 64, 4, 2, 512
+        h, heads, kvh, vocab = 64, 2, 1, 512
     elif params <= 16 << 20:
         h, heads, kvh, vocab = 256, 4, 2, 2048
     elif params <= 128 << 20:
@@ -160,18 +175,11 @@ def llama_config_for_bytes(target_bytes: int, dtype: torch.dtype = torch.bfloat1
     else:
         h, heads, kvh, vocab = 8192, 64, 8, 32768
     inter = max(32, int(round(h * 3.5 / 32)) * 32)
-    kv = kvh * (h // heads)
-    per_layer = (2 * h * h + 2 * kv * h + 3 * h * inter + 2 * h) * esz
-    fixed = (2 * vocab * h + h) * esz
-    layers = max(1, round((target_bytes - fixed) / per_layer))
-    return dict(
-        hidden_size=h,
-        num_layers=layers,
-        intermediate_size=inter,
-        num_heads=heads,
-        num_kv_heads=kvh,
-        vocab_size=vocab,
-    )
+    kw = dict(hidden_size=h, intermediate_size=inter, num_heads=heads, num_kv_heads=kvh, vocab_size=vocab)
+    one = estimate_llama_bytes(dtype=dtype, num_layers=1, **kw)
+    per_layer = estimate_llama_bytes(dtype=dtype, num_layers=2, **kw) - one
+    layers = max(1, round((target_bytes - (one - per_layer)) / per_layer))
+    return dict(kw, num_layers=layers)
 
 
 def make_tokenizer(path: str | Path, vocab_size: int):
@@ -225,10 +233,13 @@ def make_llama_checkpoint(
     seed: int = 0,
     max_shard_bytes: int | None = None,
     direct: bool | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random-weight Llama checkpoint plus tokenizer into ``path`` and return it.
 
     ``max_shard_bytes`` splits the weights into shards with ``model.safetensors.index.json``.
+    ``head_dim`` defaults to ``hidden_size // num_heads`` but at least 32 (vLLM's CPU attention needs it),
+    so the default tiny model has 4 heads of 32 (q_proj 128 x 64).
     ``direct`` (default: automatic, above 1 GiB) writes random tensors shard by shard instead of
     instantiating ``LlamaForCausalLM``; both layouts load with ``from_pretrained`` and vLLM.
     """
@@ -242,6 +253,7 @@ def make_llama_checkpoint(
         num_kv_heads=num_kv_heads,
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
+        head_dim=head_dim,
     )
     config = llama_config(**shape_kwargs, dtype=dtype)
     path = Path(path)
