@@ -66,8 +66,13 @@ def test_dp_local_nodes_match_formula(dp, pp, tp, dp_local):
     for node in range(nodes):
         start = node * dp_local
         local_dp = min(dp_local, dp - start)
-        lay = Layout(tp=tp, pp=pp, dp=dp, dp_local=local_dp, dp_rank_start=start, dp_address="10.0.0.1")
-        assert lay.nodes == -(-dp // local_dp)
+        lay = Layout(tp=tp, pp=pp, dp=dp, dp_local=local_dp, dp_rank_start=start, dp_address="10.0.0.1",
+                     nnodes=nodes, node_rank=node)
+        assert lay.nodes == nodes and lay.this_node == node
+        if dp % dp_local == 0:  # without --nnodes the node count follows from dp / dp_local
+            bare = Layout(tp=tp, pp=pp, dp=dp, dp_local=local_dp, dp_rank_start=start, dp_address="10.0.0.1")
+            assert (bare.nodes, bare.this_node) == (nodes, node)
+            assert bare.local_placements() == lay.local_placements()
         local = lay.local_placements()
         assert len(local) == local_dp * pp * tp
         for i, p in enumerate(local):
@@ -141,7 +146,8 @@ def test_local_devices_enough():
         (dict(dp=2, dp_local=0), "nothing to preload"),
         (dict(dp=4, dp_local=2, dp_rank_start=3, dp_address="n0"), "--data-parallel-start-rank"),
         (dict(dp=4, dp_local=2, nnodes=3, dp_address="n0"), "set it to 2"),
-        (dict(dp=4, dp_local=2, nnodes=2, node_rank=1, dp_rank_start=0, dp_address="n0"), "pass only one"),
+        (dict(dp=4, dp_local=2, nnodes=2, node_rank=1, dp_rank_start=3, dp_address="n0"), "start-rank"),
+        (dict(dp=2, dp_local=1, nnodes=3, dp_address="n0"), "exceeds the data parallel size"),
         (dict(dp=2, dp_rank_start=1), "--data-parallel-size-local"),
         (dict(tp=8, local_devices=4), "only 4 device(s)"),
         (dict(tp=2, dp=4, dp_local=4, local_devices=7), "only 7 device(s)"),

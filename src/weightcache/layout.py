@@ -151,17 +151,18 @@ class Layout:
                 f"{self.dp}; lower --data-parallel-start-rank (or --data-parallel-size-local)"
             )
         if self.nnodes > 1:
+            if self.nnodes > self.dp:
+                raise LayoutError(
+                    f"--nnodes {self.nnodes} exceeds the data parallel size {self.dp}: with "
+                    f"--data-parallel-size-local every node hosts at least one DP rank"
+                )
             expect = -(-self.dp // dl)
-            if self.nnodes != expect:
+            if self.dp_rank_start is None and self.nnodes != expect:
+                # start rank derived from the node rank: nodes hold dp_local ranks each
                 raise LayoutError(
                     f"--nnodes {self.nnodes} does not match {self.dp} DP ranks at {dl} per node "
-                    f"({expect} node(s)); with --data-parallel-size-local each node hosts whole DP "
-                    f"replicas, so drop --nnodes or set it to {expect}"
-                )
-            if self.dp_rank_start is not None and start != self.node_rank * dl:
-                raise LayoutError(
-                    f"data parallel start rank {start} does not match node rank {self.node_rank} "
-                    f"({dl} DP ranks per node -> start {self.node_rank * dl}); pass only one of them"
+                    f"({expect} node(s)); set it to {expect}, or pass --data-parallel-start-rank "
+                    f"when nodes host different numbers of DP ranks"
                 )
 
     def _check_addresses(self) -> None:
@@ -212,14 +213,14 @@ class Layout:
 
     @property
     def nodes(self) -> int:
-        """Number of nodes the job spans."""
-        if self.dp_local is None:
+        """Number of nodes the job spans (pass ``nnodes`` when DP ranks split unevenly over nodes)."""
+        if self.dp_local is None or self.nnodes > 1:
             return self.nnodes
         return -(-self.dp // self.dp_local)
 
     @property
     def this_node(self) -> int:
-        if self.dp_local is None:
+        if self.dp_local is None or self.nnodes > 1:
             return self.node_rank
         return self.dp_start // self.dp_local
 
