@@ -26,8 +26,8 @@ d.serve_forever()
 def sample_tensors(device: str = "cpu", scale: int = 1) -> dict[str, torch.Tensor]:
     """Deterministic tensors covering dtypes, odd shapes/strides, ties and views."""
     g = torch.Generator().manual_seed(1234)
-    emb = torch.randn(97 * scale, 33, generator=g)
-    base = torch.randn(40, 24, generator=g)
+    emb = torch.randn(97 * scale, 33, generator=g).to(device)
+    base = torch.randn(40, 24, generator=g).to(device)
     out = {
         "embed": emb,
         "lm_head": emb,  # tied
@@ -48,7 +48,7 @@ def sample_tensors(device: str = "cpu", scale: int = 1) -> dict[str, torch.Tenso
         "empty": torch.empty(0, 4),
         "c64": torch.randn(4, generator=g, dtype=torch.complex64),
     }
-    return {k: v.to(device) for k, v in out.items()}
+    return {k: v.to(device) for k, v in out.items()}  # no-op for the shared ones: ties and views survive
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

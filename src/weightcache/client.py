@@ -128,8 +128,10 @@ class Attachment(Mapping[str, torch.Tensor]):
     """Tensors attached from a daemon. Views stay valid while referenced, even after close() or the daemon's
     death (the driver/kernel refcounts the memory)."""
 
-    def __init__(self, sock, key: CacheKey, manifest: Manifest, tensors: dict[str, torch.Tensor], device, mode):
+    def __init__(self, sock, key: CacheKey, manifest: Manifest, tensors: dict[str, torch.Tensor], device, mode,
+                 timings: dict[str, float] | None = None):
         self._sock = sock
+        self.timings = timings or {}
         self.key = key
         self.manifest = manifest
         self.tensors = tensors
@@ -205,6 +207,7 @@ def attach(
     last_log = 0.0
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, mode=mode, readonly=readonly, expect=expect,
                        client=f"pid {os.getpid()}")
+    t0 = time.perf_counter()
     sock = _connect(path, timeout)
     try:
         while True:
@@ -221,6 +224,7 @@ def attach(
                 last_log = time.monotonic()
             time.sleep(0.1)
         fds = wire.recv_fds(sock, reply.nfds)
+        t_manifest = time.perf_counter()
         manifest = reply.manifest
         try:
             if expect is not None:
@@ -233,10 +237,13 @@ def attach(
             for fd in fds:
                 os.close(fd)
             raise
+        t_import = time.perf_counter()
         blocks = import_blocks(fds, [b.nbytes for b in manifest.blocks], device, readonly or mode == "copy")
         if mode == "copy":
             blocks = _copy_blocks(blocks)
+        t_views = time.perf_counter()
         tensors = build_views(manifest, blocks)
+        t_end = time.perf_counter()
     except BaseException:
         sock.close()
         raise
@@ -244,4 +251,6 @@ def attach(
     if mode == "copy":
         sock.close()  # private memory: nothing left to hold on the daemon's side
         sock = None
-    return Attachment(sock, reply.key, manifest, tensors, device, mode)
+    timings = {"handshake": t_manifest - t0, "validate": t_import - t_manifest, "import": t_views - t_import,
+               "views": t_end - t_views, "total": t_end - t0}
+    return Attachment(sock, reply.key, manifest, tensors, device, mode, timings)

@@ -62,14 +62,17 @@ def _align(n: int, a: int = ALIGNMENT) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _extent_bytes(shape, stride, itemsize: int) -> int:
     """Bytes spanned from element [0..0] to the last element (0 for empty tensors)."""
-    if any(s == 0 for s in shape):
-        return 0
-    return (1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride, strict=True))) * itemsize
+    last = 0
+    for n, st in zip(shape, stride, strict=True):
+        if n == 0:
+            return 0
+        last += (n - 1) * st
+    return (last + 1) * itemsize
 
 
 def _contiguous_stride(shape) -> list[int]:
@@ -186,23 +189,31 @@ def storage_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 def validate(manifest: Manifest) -> None:
     """Refuse a manifest whose specs point outside their blocks (never build a wild view)."""
-    for i, s in enumerate(manifest.storages):
-        if not 0 <= s.block < len(manifest.blocks):
+    blocks, storages = manifest.blocks, manifest.storages
+    for i, s in enumerate(storages):
+        if not 0 <= s.block < len(blocks):
             raise ValueError(f"storage {i}: block {s.block} does not exist")
-        if s.offset < 0 or s.nbytes < 0 or s.offset + s.nbytes > manifest.blocks[s.block].nbytes:
+        if s.offset < 0 or s.nbytes < 0 or s.offset + s.nbytes > blocks[s.block].nbytes:
             raise ValueError(f"storage {i}: bytes [{s.offset}, {s.offset + s.nbytes}) outside its block")
+    itemsizes: dict[str, int] = {}
+    names = set()
+    nstorages = len(storages)
     for t in manifest.tensors:
-        if not 0 <= t.storage < len(manifest.storages):
+        item = itemsizes.get(t.dtype)
+        if item is None:
+            item = itemsizes[t.dtype] = parse_dtype(t.dtype).itemsize
+        if not 0 <= t.storage < nstorages:
             raise ValueError(f"{t.name}: storage {t.storage} does not exist")
-        if len(t.shape) != len(t.stride) or any(s < 0 for s in t.shape) or any(s < 0 for s in t.stride):
-            raise ValueError(f"{t.name}: bad shape/stride {t.shape}/{t.stride}")
-        item = _itemsize(parse_dtype(t.dtype))
+        shape, stride = t.shape, t.stride
+        if len(shape) != len(stride) or (shape and (min(shape) < 0 or min(stride) < 0)):
+            raise ValueError(f"{t.name}: bad shape/stride {shape}/{stride}")
         if t.byte_offset < 0 or t.byte_offset % item:
             raise ValueError(f"{t.name}: misaligned byte offset {t.byte_offset}")
-        end = t.byte_offset + _extent_bytes(t.shape, t.stride, item)
-        if end > manifest.storages[t.storage].nbytes:
+        if t.byte_offset + _extent_bytes(shape, stride, item) > storages[t.storage].nbytes:
             raise ValueError(f"{t.name}: extends past its storage")
-    _check_unique(t.name for t in manifest.tensors)
+        if t.name in names:
+            raise ValueError(f"duplicate tensor name {t.name!r}")
+        names.add(t.name)
 
 
 def build_views(manifest: Manifest, blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
