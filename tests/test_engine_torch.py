@@ -198,6 +198,28 @@ def test_nonpersistent_buffer_without_reset_needs_init_empty_or_cache(sockdir):
         assert torch.equal(m.table, torch.full((4,), 3.0))
 
 
+class LazyReset(NoReset):
+    def reset_parameters(self):  # forgets the buffer
+        pass
+
+
+def test_buffer_an_initialiser_does_not_fill_is_caught(sockdir):
+    torch.manual_seed(0)
+    with wc.publish(NoReset().state_dict(), _sock(sockdir), KEY):
+        with torch.device("meta"):
+            m = LazyReset()
+        with pytest.raises(BindError, match="table was not recomputed by LazyReset"):
+            load_into(m, _sock(sockdir))
+
+        def init_table(root, owner_name, owner):
+            owner.table.copy_(torch.arange(4.0))
+
+        with torch.device("meta"):
+            m = LazyReset()
+        load_into(m, _sock(sockdir), init_buffers=init_table)
+        assert torch.equal(m.table, torch.arange(4.0))
+
+
 def test_init_empty_restores_torch():
     init_fn, reg = nn.init.normal_, nn.Module.register_parameter
     with init_empty():

@@ -97,6 +97,25 @@ def test_same_greedy_tokens_and_logits_as_transformers(ckpts, sockdir, which):
             assert model.lm_head.weight is not emb
 
 
+def test_rotary_recomputed_where_init_weights_has_no_rule_for_it(ckpts, sockdir, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    ckpt = ckpts["untied"]
+    ref = reference(ckpt)
+    orig = LlamaPreTrainedModel._init_weights
+
+    def without_rotary(self, module):
+        if "RotaryEmbedding" not in type(module).__name__:
+            orig(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", without_rotary)
+    with serve(ckpt, sockdir):
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        for name in ("inv_freq", "original_inv_freq"):
+            assert torch.equal(getattr(model.model.rotary_emb, name), getattr(ref.model.rotary_emb, name)), name
+        assert torch.equal(greedy(model), greedy(ref))
+
+
 def test_bf16_from_fp32_checkpoint_casts_like_transformers(ckpts, sockdir):
     ckpt = ckpts["untied"]
     with serve(ckpt, sockdir, dtype=torch.bfloat16):

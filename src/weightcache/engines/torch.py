@@ -166,6 +166,34 @@ def _hf_model_for(root: nn.Module, owner_name: str):
     return None
 
 
+def _unset(t) -> bool:
+    return isinstance(t, torch.Tensor) and (
+        t.is_meta or ((t.is_floating_point() or t.is_complex()) and t.numel() > 0 and bool(torch.isnan(t).all()))
+    )
+
+
+def _hf_rotary_fallback(owner: nn.Module) -> None:
+    """A transformers rotary embedding whose ``_init_weights`` did not fill ``inv_freq`` (versions without
+    that rule): compute it with the module's own rope function on the CPU, as its ``__init__`` does."""
+    if not _unset(owner._buffers.get("inv_freq")) or not hasattr(owner, "config"):
+        return
+    fn = getattr(owner, "rope_init_fn", None)
+    rope_type = getattr(owner, "rope_type", "default")
+    if fn is None and rope_type == "default":
+        fn = getattr(owner, "compute_default_rope_parameters", None)
+    if fn is None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fn = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, _ = fn(owner.config)
+    owner.inv_freq.copy_(inv_freq)
+    orig = owner._buffers.get("original_inv_freq")
+    if orig is not None:
+        orig.copy_(inv_freq)
+    elif _unset(owner.__dict__.get("original_inv_freq")):  # a plain attribute in some versions
+        owner.original_inv_freq = owner.inv_freq.clone()
+
+
 def default_init_buffers(root: nn.Module, owner_name: str, owner: nn.Module) -> None:
     """Recompute an owner's non-persistent buffers the way the model initialises them: a transformers
     model's own ``_init_weights`` (what ``from_pretrained`` runs for them), else ``owner.reset_parameters()``
@@ -180,6 +208,7 @@ def default_init_buffers(root: nn.Module, owner_name: str, owner: nn.Module) -> 
         else:
             with guard_torch_init_functions():
                 hf._init_weights(owner)
+        _hf_rotary_fallback(owner)
         return
     reset = getattr(owner, "reset_parameters", None)
     if callable(reset):
