@@ -451,3 +451,20 @@ def test_packed_shards_match_torch_strided_shard(custom):
             for name, dim in (("model.layers.0.mlp.gate_up_proj.weight", 0), ("model.layers.0.attn.fused_out.weight", 1)):
                 shards, _ = strided(dim, split_factor=2)._split_tensor(tensors[name], tp, with_padding=False)
                 assert torch.equal(v[name], shards[r]), (name, r)
+
+
+def test_load_bench_runs_on_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_load", Path(__file__).parents[1] / "bench" / "load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "load.json"
+    assert bench.main(["--device", "cpu", "--size-gb", "0.004", "--shard-gb", "0.001", "--dir", str(tmp_path),
+                       "--runs", "1", "--tp", "2", "--out", str(out)]) == 0
+    res = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    for m in ("weightcache", "weightcache-mmap"):
+        assert res[m]["verified"] == 4 and res[m]["gb_per_s"] > 0
+    assert res["weightcache"]["bytes"] == res["weightcache-mmap"]["bytes"]
+    assert "skipped" in res["safetensors"]  # whole tensors only; tp=2 asked
