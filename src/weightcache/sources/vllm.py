@@ -1,0 +1,502 @@
+"""Fill a daemon with the weights vLLM's own loader produces for one rank.
+
+The daemon process forms its own distributed group (gloo on CPU, NCCL on CUDA) through the preload
+supervisor's store on the weight-cache master port, builds the rank's model with vLLM's loader for the
+configured ``--load-format`` (quantization and ``process_weights_after_loading`` included), and packs
+every tensor the engine needs: parameters, buffers and tensors held as plain attributes of modules, of
+their quantization methods and of the kernel objects those hold. Tensors reachable under several names are
+packed once (aliases); views sharing a storage keep their strides and offsets.
+
+Two things cannot cross a process boundary and are rebuilt by the engine instead, in vLLM's own
+"weights already processed" mode (no tensor is transformed there): kernel handles that vLLM's CPU
+backend makes from the weights (oneDNN / packed GEMMs; the daemon keeps the plain weights for them) and
+host-side scalars such as ``_k_scale_float``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import WeightCacheError
+from ..key import CacheKey, checkpoint_digest, config_digest, dtype_name
+
+log = logging.getLogger("weightcache.sources.vllm")
+
+ENGINE = "vllm"
+META_NAME = "__weightcache__.vllm"  # JSON side data (aliases, replaced parameters) as a uint8 tensor
+META_FORMAT = 1
+
+# Quantization methods whose post-load state is captured faithfully (tensors + vLLM's pre-processed mode).
+ALLOWED_QUANT_METHODS = frozenset({
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "Fp8LinearMethod",
+    "BaseKVCacheMethod",
+    "Fp8KVCacheMethod",
+})
+# Runtime state bound by the engine's model runner, not weights.
+SKIP_ATTRIBUTES = frozenset({"kv_cache"})
+_MAX_DEPTH = 3
+_ORIGINAL = "_weightcache_original"  # marks parameters that existed before post-processing
+_MAX_LISTED = 8
+
+
+class UnsupportedQuantization(WeightCacheError, ValueError):
+    """A quantization method whose post-load state the cache cannot capture faithfully."""
+
+
+# ---- identity ------------------------------------------------------------------------------------------------
+
+
+def local_checkpoint_dir(model_config) -> Path:
+    """The local directory holding the model's files (a Hugging Face id is looked up in the local cache)."""
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=model_config.revision, local_files_only=True))
+    except Exception as e:
+        raise WeightCacheError(
+            f"{model}: not a local directory and not in the local Hugging Face cache ({e}); "
+            "download it first (the preload does) or pass a directory") from None
+
+
+def model_label(model_config) -> str:
+    model = str(model_config.model)
+    return str(Path(model).resolve()) if os.path.isdir(model) else model
+
+
+def quantization_field(model_config) -> str:
+    """'none', or the method plus a digest of the checkpoint's and the runtime's quantization config.
+
+    Computed before any loading: post-processing may mutate the config."""
+    method = model_config.quantization
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    runtime = getattr(model_config, "quantization_config", None)
+    if method is None and hf_quant is None and runtime is None:
+        return "none"
+    if hasattr(hf_quant, "to_dict"):
+        hf_quant = hf_quant.to_dict()
+    return f"{method or 'auto'}:{config_digest({'checkpoint': hf_quant, 'runtime': runtime})}"
+
+
+def layout_string(parallel_config) -> str:
+    """``dp{D}-pp{P}-tp{T}`` (+ ``-ep{D*T}``), as ``Layout.describe()`` writes it."""
+    dp = parallel_config.data_parallel_size
+    tp = parallel_config.tensor_parallel_size
+    s = f"dp{dp}-pp{parallel_config.pipeline_parallel_size}-tp{tp}"
+    return s + (f"-ep{dp * tp}" if parallel_config.enable_expert_parallel else "")
+
+
+def cache_key(vllm_config, model_config, *, role: str, rank: int) -> CacheKey:
+    """The key both sides compute: the daemon from its config, the engine from its own."""
+    import vllm
+
+    hf = model_config.hf_config
+    extra = {
+        "arch": ",".join(getattr(hf, "architectures", None) or []),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+    }
+    return CacheKey(
+        model=model_label(model_config),
+        content_digest=checkpoint_digest(local_checkpoint_dir(model_config)),
+        revision=model_config.revision or "",
+        dtype=dtype_name(model_config.dtype),
+        quantization=quantization_field(model_config),
+        layout=layout_string(vllm_config.parallel_config),
+        rank=rank,
+        role=role,
+        engine=ENGINE,
+        engine_version=vllm.__version__,
+        extra=extra,
+    )
+
+
+def draft_vllm_config(vllm_config):
+    """The VllmConfig the engine's drafter builds its model with (None without a draft model)."""
+    from vllm.config import replace
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        return None
+    cfg = spec.apply_draft_overrides(vllm_config)
+    if spec.method == "draft_model":  # as vLLM's DraftModelProposer
+        cfg = replace(cfg, quant_config=None, model_config=spec.draft_model_config,
+                      parallel_config=replace(spec.draft_parallel_config, rank=vllm_config.parallel_config.rank))
+    return cfg
+
+
+def draft_prefix(vllm_config) -> str:
+    spec = vllm_config.speculative_config
+    return "draft_model" if spec is not None and spec.method == "draft_model" else ""
+
+
+# ---- what the engine needs -----------------------------------------------------------------------------------
+
+
+def check_quantization(model: nn.Module) -> None:
+    """Refuse a model with a quantization method outside the allow-list (see ALLOWED_QUANT_METHODS)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    bad: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if not isinstance(qm, QuantizeMethodBase):
+            continue
+        cls = type(qm).__name__
+        if cls not in ALLOWED_QUANT_METHODS or not getattr(qm, "supports_pre_processed_weights", False):
+            bad.setdefault(cls, []).append(name or "<root>")
+    if bad:
+        lines = [f"  {cls}: {len(layers)} layer(s), e.g. {', '.join(layers[:3])}" for cls, layers in bad.items()]
+        raise UnsupportedQuantization(
+            "weightcache cannot capture the post-load state of these quantization methods faithfully:\n"
+            + "\n".join(lines)
+            + f"\nsupported: {', '.join(sorted(ALLOWED_QUANT_METHODS))}; load this model from disk instead")
+
+
+def _walkable(obj) -> bool:
+    """Plain vLLM objects (quantization methods, kernels) whose attributes may hold tensors."""
+    if isinstance(obj, (nn.Module, torch.Tensor, type)) or not hasattr(obj, "__dict__"):
+        return False
+    mod = type(obj).__module__ or ""
+    return mod.startswith("vllm.") and not type(obj).__name__.endswith("Config")
+
+
+_SCALARS = (type(None), bool, int, float, str)
+# Kernel handles vLLM's CPU backend makes from the weights; the engine makes its own (see the engine).
+KERNEL_ATTRIBUTES = frozenset({"cpu_linear"})
+
+
+def _encode(v):
+    """A JSON form of a host-side scalar attribute, or None when it is not one."""
+    if isinstance(v, _SCALARS):
+        return {"v": v}
+    if isinstance(v, torch.dtype):
+        return {"dtype": dtype_name(v)}
+    if isinstance(v, (list, tuple)) and all(isinstance(x, _SCALARS) for x in v):
+        return {"list" if isinstance(v, list) else "tuple": list(v)}
+    return None
+
+
+def decode_scalar(enc: dict):
+    from ..key import parse_dtype
+
+    if "v" in enc:
+        return enc["v"]
+    if "dtype" in enc:
+        return parse_dtype(enc["dtype"])
+    if "tuple" in enc:
+        return tuple(enc["tuple"])
+    return list(enc["list"])
+
+
+def _module_internals() -> frozenset:
+    return frozenset(vars(nn.Module()))
+
+
+def python_state(model: nn.Module) -> dict[str, dict[str, tuple]]:
+    """Per owner path (modules and the plain vLLM objects they hold), each attribute's kind: a tensor,
+    a host-side scalar (with its value) or another object (held, so identity can be compared)."""
+    internals = _module_internals()
+    state: dict[str, dict[str, tuple]] = {}
+
+    def record(path: str, obj, items, depth: int) -> None:
+        entry = state.setdefault(path, {})
+        for attr, v in items:
+            if isinstance(v, torch.Tensor):
+                entry[attr] = ("tensor", None)
+                continue
+            enc = _encode(v)
+            if enc is not None:
+                entry[attr] = ("scalar", enc)
+                continue
+            entry[attr] = ("object", v)
+            if _walkable(v) and depth < _MAX_DEPTH:
+                record(f"{path}.{attr}" if path else attr, v, list(vars(v).items()), depth + 1)
+
+    for mname, module in model.named_modules(remove_duplicate=False):
+        items = [(k, v) for k, v in vars(module).items() if k not in internals]
+        items += [(k, v) for k, v in module._parameters.items() if v is not None]
+        items += [(k, v) for k, v in module._buffers.items() if v is not None]
+        record(mname, module, items, 0)
+    return state
+
+
+def state_changes(before: dict, after: dict) -> tuple[dict[str, dict], list[str], list[str]]:
+    """(host-side scalars set or changed, attributes deleted, objects created) between two snapshots."""
+    scalars, deleted, created = {}, [], []
+    for path, attrs in after.items():
+        old = before.get(path, {})
+        for attr, (kind, val) in attrs.items():
+            name = f"{path}.{attr}" if path else attr
+            prev = old.get(attr)
+            if kind == "scalar" and prev != (kind, val):
+                scalars[name] = val
+            elif kind == "object" and (prev is None or prev[0] != "object" or prev[1] is not val):
+                if attr not in KERNEL_ATTRIBUTES and path in before:
+                    created.append(f"{name} ({type(val).__name__})")
+        for attr in old:
+            if attr not in attrs and path in after:
+                deleted.append(f"{path}.{attr}" if path else attr)
+    return scalars, deleted, created
+
+
+def reachable_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor the model's forward can read, by every name it is reachable under, with its role:
+    parameters, buffers, and tensors held as plain attributes of modules and of the plain vLLM objects
+    they hold (quantization methods, kernels), up to a few levels deep."""
+    tensors: dict[str, torch.Tensor] = {}
+    roles: dict[str, str] = {}
+
+    def add(name: str, t, role: str) -> None:
+        if isinstance(t, torch.Tensor) and name not in tensors:
+            tensors[name] = t
+            roles[name] = role
+
+    def walk(prefix: str, obj, depth: int, seen: set) -> None:
+        if depth > _MAX_DEPTH or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for attr, v in vars(obj).items():
+            if attr in SKIP_ATTRIBUTES:
+                continue
+            if isinstance(v, torch.Tensor):
+                add(f"{prefix}.{attr}", v, "attribute")
+            elif _walkable(v):
+                walk(f"{prefix}.{attr}", v, depth + 1, seen)
+
+    for mname, module in model.named_modules(remove_duplicate=False):
+        pre = f"{mname}." if mname else ""
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                add(pre + leaf, p, "parameter")
+        for leaf, b in module._buffers.items():
+            if b is not None:
+                add(pre + leaf, b, "nonpersistent_buffer" if leaf in module._non_persistent_buffers_set else "buffer")
+        seen: set = set()
+        for attr, v in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules") or attr in SKIP_ATTRIBUTES:
+                continue
+            if isinstance(v, torch.Tensor):
+                add(pre + attr, v, "attribute")
+            elif _walkable(v):
+                walk(pre + attr, v, 1, seen)
+    return tensors, roles
+
+
+def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to pack (each object once) plus the side data the engine needs to rebind them:
+    aliases, parameters created by loading (registered as plain ``nn.Parameter``s, they are not marked by
+    ``build_model``), and, against ``before`` (the model as constructed), the host-side scalars loading
+    set and the attributes it deleted. An object loading created that is neither a tensor, a scalar nor
+    a known kernel handle cannot be shared: refused."""
+    everything, all_roles = reachable_tensors(model)
+    tensors: dict[str, torch.Tensor] = {}
+    roles: dict[str, str] = {}
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    skipped: list[str] = []
+    for name, t in everything.items():
+        if t.device.type == "meta":
+            skipped.append(name)
+            continue
+        first = canonical.get(id(t))
+        if first is not None:
+            aliases[name] = first
+            continue
+        canonical[id(t)] = name
+        tensors[name] = t.detach() if all_roles[name] != "parameter" else t
+        roles[name] = all_roles[name]
+    if skipped:
+        log.warning("not caching %d meta tensor(s) the loader left unset, e.g. %s", len(skipped),
+                    ", ".join(skipped[:_MAX_LISTED]))
+    replaced = sorted(n for n, r in roles.items()
+                      if r == "parameter" and not tensors[n].__dict__.pop(_ORIGINAL, False))
+    scalars, deleted, created = state_changes(before, python_state(model)) if before is not None else ({}, [], [])
+    if created:
+        raise UnsupportedQuantization(
+            "loading created state that cannot be shared between processes (not a tensor, scalar or known "
+            f"kernel handle): {', '.join(created[:_MAX_LISTED])}; load this model from disk instead")
+    meta = {"format": META_FORMAT, "aliases": aliases, "replaced": replaced, "meta_tensors": skipped,
+            "scalars": scalars, "deleted": deleted}
+    tensors[META_NAME] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(
+        next((t.device for t in tensors.values()), torch.device("cpu")))
+    roles[META_NAME] = "attribute"
+    return tensors, roles
+
+
+def read_meta(tensors: Mapping[str, torch.Tensor]) -> dict:
+    t = tensors.get(META_NAME)
+    if t is None:
+        raise WeightCacheError("the daemon's tensors carry no vLLM side data: not a `preload --engine vllm` cache")
+    meta = json.loads(bytes(t.cpu().numpy()))
+    if meta.get("format") != META_FORMAT:
+        raise WeightCacheError(f"vLLM side data format {meta.get('format')} is not {META_FORMAT}; "
+                               "restart the preload with this weightcache version")
+    return meta
+
+
+# ---- building a rank's model the way the engine would --------------------------------------------------------
+
+
+def _defer_cpu_gemm_dispatch(model: nn.Module) -> list[nn.Module]:
+    """vLLM's CPU backend turns each unquantized linear weight into a oneDNN/packed kernel handle in
+    process_weights_after_loading and drops the weight; a handle cannot cross processes, so the daemon
+    keeps the plain weight (vLLM's own per-layer switch) and the engine makes the handle."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    marked = []
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod) and \
+                not getattr(module, "_cpu_skip_gemm_dispatch", False):
+            module._cpu_skip_gemm_dispatch = True
+            marked.append(module)
+    return marked
+
+
+def build_model(vllm_config, model_config, *, prefix: str = "") -> tuple[nn.Module, dict]:
+    """The rank's model as vLLM's loader makes it (needs vLLM's distributed state and current config),
+    and the snapshot of its Python state as constructed (see ``capture``)."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    load_config = vllm_config.load_config
+    if load_config.load_format == "weightcache":
+        raise WeightCacheError("the daemon loads from the checkpoint itself: drop --load-format weightcache "
+                               "from the preload command (use the engine's real load format, or none)")
+    loader = get_model_loader(load_config)
+    device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
+    try:
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        init_workspace_manager(device)
+    except Exception as e:  # already initialised, or not needed on this platform
+        log.debug("workspace manager: %s", e)
+    with set_default_torch_dtype(model_config.dtype):
+        with device:
+            model = loader.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        check_quantization(model)
+        for p in model.parameters():
+            p.__dict__[_ORIGINAL] = True
+        before = python_state(model)
+        loader.load_weights(model, model_config)
+        marked = _defer_cpu_gemm_dispatch(model)
+        process_weights_after_loading(model, model_config, device)
+        for m in marked:
+            del m._cpu_skip_gemm_dispatch
+            m.__dict__.pop("cpu_linear", None)
+    return model.eval(), before
+
+
+def _init_distributed(placement, master_addr: str, master_port: int, role: str, timeout_s: float) -> None:
+    """The daemon group's own torch.distributed world, through the supervisor's store on the weight-cache
+    master port; vLLM's model-parallel groups are then carved out of it as in the engine."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from vllm.distributed import init_distributed_environment
+    from vllm.platforms import current_platform
+
+    backend = current_platform.dist_backend
+    # vLLM's CPU shared-memory communicator names its segments after this.
+    os.environ.setdefault("VLLM_DIST_IDENT", f"weightcache-{role}-{master_port}")
+    if not dist.is_initialized():
+        store = dist.TCPStore(master_addr, master_port, None, False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"weightcache/{role}/vllm-pg/", store),
+                                world_size=placement.world_size, rank=placement.rank,
+                                timeout=timedelta(seconds=timeout_s))
+    init_distributed_environment(world_size=placement.world_size, rank=placement.rank,
+                                 local_rank=placement.local_index, backend=backend)
+
+
+class VllmSource:
+    """One rank of one role, built in the daemon process. ``load_into(daemon)`` builds, packs, frees."""
+
+    def __init__(self, placement, *, vllm_config, role: str, master_addr: str, master_port: int,
+                 timeout_s: float = 600.0):
+        self.placement = placement
+        self.vllm_config = vllm_config
+        self.role = role
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+
+    def _rank_config(self):
+        from vllm.config import replace
+
+        cfg = self.vllm_config
+        p = self.placement
+        if cfg.parallel_config.data_parallel_size > 1:  # the engine sets these on each DP rank's workers
+            pc = replace(cfg.parallel_config, data_parallel_rank=p.dp_rank,
+                         data_parallel_rank_local=p.dp_rank % max(1, cfg.parallel_config.data_parallel_size_local))
+            cfg = replace(cfg, parallel_config=pc)
+        if self.role == "draft":
+            draft = draft_vllm_config(cfg)
+            if draft is None:
+                raise WeightCacheError("role 'draft' without a draft model in --speculative-config")
+            return draft, draft.speculative_config.draft_model_config, draft_prefix(cfg)
+        return cfg, cfg.model_config, ""
+
+    def key(self) -> CacheKey:
+        cfg, model_config, _ = self._rank_config()
+        return cache_key(cfg, model_config, role=self.role, rank=self.placement.rank)
+
+    def load_into(self, daemon) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import ensure_model_parallel_initialized
+
+        p = self.placement
+        try:
+            if p.device.startswith("cuda"):
+                torch.cuda.set_device(p.local_index)
+            _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
+            cfg, model_config, prefix = self._rank_config()
+            with set_current_vllm_config(cfg):
+                ensure_model_parallel_initialized(cfg.parallel_config.tensor_parallel_size,
+                                                  cfg.parallel_config.pipeline_parallel_size)
+                model, before = build_model(cfg, model_config, prefix=prefix)
+            tensors, roles = capture(model, before)
+            del before
+            log.info("%s rank %d: %d tensors (%.1f MiB) from vLLM's loader", self.role, p.rank, len(tensors),
+                     sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20)
+        except BaseException as e:
+            daemon.fail(f"{type(e).__name__}: {e}")
+            raise
+        daemon.load_tensors(tensors, roles)
+        # The arena holds its own copy now: drop the model (attention layers sit in the config's context).
+        del tensors, model
+        try:
+            cfg.compilation_config.static_forward_context.clear()
+        except AttributeError:
+            pass
+        gc.collect()
+        if p.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def make_source(placement, **kwargs) -> VllmSource:
+    """Module-level factory for the preload supervisor (runs in the daemon process)."""
+    return VllmSource(placement, **kwargs)
+
+
+def make_key(source: VllmSource, placement, *, layout: str, role: str, **_) -> CacheKey:
+    """The daemon's key, computed as the engine computes it (see ``cache_key``)."""
+    key = source.key()
+    if key.layout != layout or key.role != role:
+        raise WeightCacheError(f"vLLM's config gives layout {key.layout} / role {key.role} but the preload "
+                               f"planned {layout} / {role}")
+    return key

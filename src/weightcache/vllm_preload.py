@@ -1,0 +1,183 @@
+"""``weightcache preload --engine vllm [MODEL] <vllm serve flags> [--weight-cache-* flags]``.
+
+vLLM's own argument parser reads the engine flags (``EngineArgs``), so the daemons are configured exactly
+like the engine that will attach them: same model, dtype, quantization, parallel layout and speculative
+config. One daemon process per local rank (and one more group for a draft model) builds its rank with
+vLLM's loader and serves it; see ``weightcache.sources.vllm``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("weightcache.vllm_preload")
+
+
+def _strip_engine(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--engine":
+            if i + 1 >= len(argv) or argv[i + 1] != "vllm":
+                raise SystemExit("weightcache preload: error: this front end serves --engine vllm only")
+            skip = True
+            continue
+        if a.startswith("--engine="):
+            if a != "--engine=vllm":
+                raise SystemExit("weightcache preload: error: this front end serves --engine vllm only")
+            continue
+        out.append(a)
+    return out
+
+
+def add_weight_cache_arguments(p) -> None:
+    from .cli import DEFAULT_HEALTH_HOST, _non_negative, _port
+
+    g = p.add_argument_group("weight cache")
+    g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
+                   help="where the daemons' sockets live (default: a per-user 0700 directory); pass the same "
+                        "directory to the engine as --model-loader-extra-config '{\"socket_dir\": DIR}'")
+    g.add_argument("--weight-cache-master-port", type=_port, default=None,
+                   help="rendezvous port of the daemons' own distributed group (not the engine's --master-port; "
+                        "required across nodes, else a free port)")
+    g.add_argument("--weight-cache-draft-master-port", type=_port, default=None,
+                   help="rendezvous port of the draft model's group (default: master port + 1 across nodes, "
+                        "else a free port)")
+    g.add_argument("--weight-cache-health-port", type=_non_negative, default=None,
+                   help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
+    g.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST)
+    g.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S")
+    g.add_argument("--weight-cache-rendezvous-timeout", type=float, default=600.0, metavar="S")
+    g.add_argument("--weight-cache-log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def build_parser():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(
+        prog="weightcache preload --engine vllm",
+        description="Start one weight cache daemon per local rank, each holding the weights vLLM's own loader "
+                    "builds for that rank. Takes the flags of `vllm serve`; start the engine with the same "
+                    "flags plus --load-format weightcache.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (or use --model)")
+    EngineArgs.add_cli_args(p)
+    add_weight_cache_arguments(p)
+    return p
+
+
+def _layout(vllm_config, role: str, tp: int):
+    import torch
+    from vllm.platforms import current_platform
+
+    from .cli import UsageError
+    from .errors import LayoutError
+    from .layout import Layout
+
+    pc = vllm_config.parallel_config
+    device_type = "cpu" if current_platform.is_cpu() else "cuda"
+    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pc.pipeline_parallel_size,
+              data_parallel_size=pc.data_parallel_size, enable_expert_parallel=pc.enable_expert_parallel,
+              nnodes=pc.nnodes, node_rank=pc.node_rank, master_addr=pc.master_addr, role=role,
+              device_type=device_type,
+              local_devices=torch.cuda.device_count() if device_type == "cuda" else None)
+    if pc.data_parallel_size > 1 and pc.nnodes == 1:
+        kw.update(data_parallel_size_local=pc.data_parallel_size_local, data_parallel_rank=pc.data_parallel_rank,
+                  data_parallel_address=pc.data_parallel_master_ip)
+    try:
+        return Layout.from_vllm_args(**kw)
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
+
+
+def plan_groups(args, vllm_config) -> list:
+    """The daemon groups (main, and draft with a draft model) for this node."""
+    from vllm.utils.network_utils import get_open_port
+
+    from .cli import UsageError
+    from .sources import vllm as src
+    from .supervisor import Group
+
+    pc = vllm_config.parallel_config
+    main = _layout(vllm_config, "main", pc.tensor_parallel_size)
+    nodes = main.nodes
+    addr = pc.data_parallel_master_ip if pc.data_parallel_size > 1 and pc.nnodes == 1 else pc.master_addr
+    port = args.weight_cache_master_port
+    if nodes > 1 and not port:
+        raise UsageError(f"the daemons span {nodes} nodes: pass --weight-cache-master-port (the same on every "
+                         "node, a port node 0 can listen on; not the engine's --master-port)")
+    port = port or get_open_port()
+    plans = [("main", main, port)]
+    draft_cfg = src.draft_vllm_config(vllm_config)
+    if draft_cfg is not None:
+        dport = args.weight_cache_draft_master_port or (port + 1 if nodes > 1 else get_open_port())
+        if dport == port:
+            raise UsageError(f"the main and draft groups need different rendezvous ports, both are {port}: "
+                             "change --weight-cache-draft-master-port")
+        plans.append(("draft", _layout(vllm_config, "draft", draft_cfg.parallel_config.tensor_parallel_size),
+                      dport))
+    groups = []
+    for role, layout, gport in plans:
+        groups.append(Group(
+            role=role, layout=layout, make_source=src.make_source, make_key=src.make_key,
+            source_args={"vllm_config": vllm_config, "role": role, "master_addr": addr, "master_port": gport,
+                         "timeout_s": args.weight_cache_rendezvous_timeout},
+            master_addr=addr, master_port=gport, info={"engine": "vllm"}))
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.weight_cache_log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    try:
+        return _preload(args)
+    except Exception as e:
+        from .cli import UsageError
+        from .errors import WeightCacheError
+
+        if isinstance(e, (UsageError, WeightCacheError, ValueError)):
+            print(f"weightcache preload: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _preload(args) -> int:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .cli import UsageError
+    from .errors import WeightCacheError
+    from .naming import default_socket_dir, ensure_private_dir
+    from .supervisor import StartError, Supervisor
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.load_format == "weightcache":
+        raise UsageError("the daemons load from the checkpoint themselves: drop --load-format weightcache "
+                         "(it is the engine's flag)")
+    engine_args = EngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config()
+    try:
+        socket_dir = ensure_private_dir(args.weight_cache_socket_dir) if args.weight_cache_socket_dir \
+            else default_socket_dir()
+    except (OSError, WeightCacheError) as e:
+        raise UsageError(f"socket directory: {e}") from None
+    groups = plan_groups(args, vllm_config)
+    try:
+        sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
+                         health_port=args.weight_cache_health_port,
+                         start_timeout=args.weight_cache_start_timeout,
+                         rendezvous_timeout=args.weight_cache_rendezvous_timeout,
+                         log_level=getattr(logging, args.weight_cache_log_level))
+    except StartError as e:
+        raise UsageError(str(e)) from None
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
