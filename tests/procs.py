@@ -18,6 +18,7 @@ device = {device!r}
 if device.startswith("cuda"):
     torch.cuda.set_device(0)
 d = weightcache.publish(sample_tensors(device, {scale!r}), {sock!r}, CacheKey(model="sample", content_digest="d0"))
+d.install_signal_handlers()
 print("READY", flush=True)
 d.serve_forever()
 """

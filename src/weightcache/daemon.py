@@ -179,11 +179,15 @@ class Daemon:
         self.state, self.message = "failed", message
         log.error("daemon failed: %s", message)
 
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop serve_forever() cleanly (main thread only)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+
     def serve_forever(self) -> None:
         """Block until close() or, in the main thread, SIGTERM/SIGINT."""
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self._stop.set())
+            self.install_signal_handlers()
         try:
             while not self._stop.wait(0.5):
                 pass
