@@ -110,11 +110,16 @@ def digest_and_warm(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _read_all(f: Path) -> None:
+    with open(f, "rb", buffering=0) as fh:
+        while fh.read(64 << 20):
+            pass
+
+
 def warm_page_cache(path: Path) -> None:
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+    files = sorted(path.glob("*.safetensors"))
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(files))) as pool:
+        list(pool.map(_read_all, files))
 
 
 # ---------------------------------------------------------------- producers (their own processes)
@@ -285,7 +290,6 @@ def bench_model(name: str, a, work: Path) -> tuple[dict, list[dict]]:
     dt = parse_dtype(a.dtype)
     path, info = ensure_checkpoint(Path(a.ckpt_dir), name, dt)
     info["digest_seconds"] = digest_and_warm(path)
-    warm_page_cache(path)
     try:
         import psutil
 

@@ -74,7 +74,9 @@ class WithAttr(nn.Module):
 
 def _ref(device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
-    return Tiny(dtype=dtype).to(device)
+    ref = Tiny(dtype=dtype).to(device)
+    ref.rot.reset_parameters()  # computed on the device, as load_into recomputes it
+    return ref
 
 
 def _meta(**kw):
@@ -104,7 +106,11 @@ def test_bind_into_meta_module_matches_reference(sockdir, device):
         assert torch.equal(m.rot.inv_freq, ref.rot.inv_freq)  # recomputed by reset_parameters on the device
         assert not any(t.is_meta for t in [*m.parameters(), *m.buffers()])
         with torch.no_grad():
-            assert torch.equal(m(_ids(device)), ref(_ids(device)))
+            out, want = m(_ids(device)), ref(_ids(device))
+        if device == "cpu":
+            assert torch.equal(out, want)
+        else:  # same bytes; kernels may be picked by pointer alignment
+            torch.testing.assert_close(out, want)
 
 
 def test_tied_weight_stored_once_still_ties(sockdir):
