@@ -207,6 +207,9 @@ def test_custom_plan_in_key_fields(custom):
     planned = SafetensorsSource(path, tp_size=2, tp_plan=CUSTOM_PLAN, progress=False).key_fields()
     assert planned["tp_plan"].startswith("sha256:")
     assert planned["content_digest"] == plain["content_digest"]
+    replicated = SafetensorsSource(path, tp_size=2, tp_plan="none", progress=False).key_fields()
+    assert replicated["tp_plan"] != planned["tp_plan"]
+    assert "tp_plan" not in SafetensorsSource(path, tp_plan=CUSTOM_PLAN, progress=False).key_fields()  # tp 1
 
 
 def test_embedding_colwise_shards_hidden_dim(custom):

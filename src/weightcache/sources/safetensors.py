@@ -255,7 +255,8 @@ class SafetensorsSource:
         self.chunk_bytes = chunk_bytes
         self.io = io
         self.plan = resolve_plan(self.model_dir, tp_plan) if tp_size > 1 or tp_plan is not None else TPPlan()
-        self._custom_plan = isinstance(tp_plan, (Mapping, TPPlan))
+        # a plan other than transformers' own changes the bytes: it goes into the key
+        self._custom_plan = tp_size > 1 and tp_plan is not None and not (isinstance(tp_plan, str) and tp_plan == "auto")
         self.tensors: dict[str, _Tensor] = {}
         for tname in sorted(entries, key=lambda n: (str(entries[n].file), entries[n].start)):
             e = entries[tname]
@@ -292,7 +293,7 @@ class SafetensorsSource:
 
     def fill(self, views: Mapping[str, torch.Tensor], progress: Callable[[int], None] | None = None) -> None:
         self._check_views(views)
-        cuda = any(v.device.type == "cuda" for v in views.values() if isinstance(v, torch.Tensor))
+        cuda = any(views[n].device.type == "cuda" for n in self.tensors)
         jobs = self._jobs(views)
         total = sum(j.nbytes for j in jobs)
         meter = _Progress(total, f"{self.model_dir.name} tp{self.tp_rank}/{self.tp_size}", self.show_progress)
