@@ -190,6 +190,30 @@ def test_checkpoint_weight_files_are_not_opened_on_the_attach_path(ckpts, sockdi
         assert tokens == greedy(ref)[0].tolist()
 
 
+def test_attaches_what_weightcache_preload_serves(ckpts, sockdir, tmp_path):
+    """The key preload (engine "transformers") computes is the key from_pretrained looks for."""
+    ckpt = ckpts["tied"]
+    log = open(tmp_path / "preload.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(ckpt), "--device", "cpu",
+         "--weight-cache-socket-dir", sockdir],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        line = ""
+        while "READY" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, (tmp_path / "preload.log").read_text()
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        assert model._weightcache_source == "attach"
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert torch.equal(greedy(model), greedy(reference(ckpt)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
 def test_fallback_loads_from_disk_with_a_warning(ckpts, sockdir):
     ckpt = ckpts["tied"]
     with pytest.warns(wct.NoDaemonWarning, match="loading .* from disk: no weight cache daemon holds"):
