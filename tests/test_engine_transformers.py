@@ -337,6 +337,8 @@ def test_bad_arguments(ckpts, sockdir, tmp_path):
         wct.from_pretrained(tmp_path / "missing", socket_dir=sockdir)
     with pytest.raises(TypeError, match="dtype"):
         wct.from_pretrained(ckpts["untied"], dtype=3, socket_dir=sockdir)
+    with pytest.raises(wc.WeightCacheError, match="layout dp1-pp1-tp2: from_pretrained binds whole models"):
+        wct.from_pretrained(ckpts["untied"], layout="dp1-pp1-tp2", rank=1, socket_dir=sockdir)
 
 
 def test_module_attribute_access():

@@ -294,6 +294,12 @@ def from_pretrained(
     "attach" or "disk"."""
     if mode not in ("map", "copy"):
         raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
+    sizes = dict(re.findall(r"(dp|pp|tp)(\d+)", layout))
+    if int(sizes.get("tp", 1)) > 1 or int(sizes.get("pp", 1)) > 1:
+        raise WeightCacheError(
+            f"layout {layout}: from_pretrained binds whole models (pp1, tp1; any dp); a tensor- or pipeline-"
+            "parallel engine takes its rank's shards with weightcache.load_into on its own sharded module"
+        )
     t0 = time.perf_counter()
     model_dir = _local_dir(path, revision)
     device = _resolve_device(device)
