@@ -217,7 +217,12 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     finally:
         if daemon is not None:
             daemon.close()
-    sys.exit(code)
+    # Skip interpreter finalization: with torch loaded it can hang in garbage collection at exit, and
+    # nothing is left to clean up (socket removed, memory returns to the kernel).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------------------- supervisor side
@@ -478,9 +483,12 @@ class Supervisor:
                                 else "exited without saying why")
             lines.append(f"{c.label} exited with code {c.proc.exitcode}: {why}")
         ranks = sorted(c.spec.placement.rank for c in dead)
+        others = [f"{c.spec.role} rank {c.spec.placement.rank} ({c.state})" for c in self.children if not c.exited]
+        if others:
+            lines.append("stopping the others: " + ", ".join(others))
         raise StartError(
             f"node {self.node_rank}/{self.nnodes}: {len(dead)} of {len(self.children)} daemon(s) failed during "
-            f"start-up (rank {ranks_text(ranks)}); stopping all of them:\n  " + "\n  ".join(lines), worst)
+            f"start-up (rank {ranks_text(ranks)}):\n  " + "\n  ".join(lines), worst)
 
     # -- shutdown ----------------------------------------------------------------------------------------
 
