@@ -16,6 +16,17 @@ DEFAULT_HEALTH_HOST = "127.0.0.1"
 
 log = logging.getLogger("weightcache.cli")
 
+PRELOAD_DESCRIPTION = """\
+Start one weight cache daemon per rank of this node (DP x PP x TP, +EP) and hold the model's weights
+until SIGINT/SIGTERM. Flags are named like vLLM's, so a launch line can be reused."""
+PRELOAD_EPILOG = """\
+examples:
+  weightcache preload --model /models/llama -tp 8 --weight-cache-health-port 8081
+  weightcache preload --model /models/llama --speculative-model /models/llama-draft -tp 4
+  # two nodes, TP 16 (run on each node with its --node-rank):
+  weightcache preload --model /models/big -tp 16 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \\
+      --weight-cache-master-port 29600"""
+
 
 class UsageError(Exception):
     """Bad command-line input: printed without a traceback, exit code 2."""
@@ -54,11 +65,11 @@ def _non_negative(text: str) -> int:
 def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `preload` flags (named like vLLM's); reusable by other preload front ends."""
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory (or use --model)")
-    p.add_argument("--model", help="checkpoint directory (Hugging Face layout: config.json + *.safetensors)")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (Hugging Face layout: config.json + *.safetensors)")
     p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="who produces the weights: the plain checkpoint source (transformers/safetensors, "
                         "default) or vLLM's own loader (vllm)")
-    p.add_argument("--revision", default="", help="model revision recorded in the cache key")
+    p.add_argument("--revision", default="", metavar="REV", help="model revision recorded in the cache key")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16, float32, ...")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the weights live (default: cuda when available, else cpu)")
@@ -66,36 +77,39 @@ def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="tensor-parallel plan (pattern -> colwise/rowwise/...); default: transformers' plan "
                         "for the model's architecture")
     par = p.add_argument_group("parallel layout (as vLLM)")
-    par.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
-    par.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1)
-    par.add_argument("--data-parallel-size", "-dp", type=_positive, default=1)
-    par.add_argument("--data-parallel-size-local", "-dpl", type=_positive, default=None,
+    par.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N")
+    par.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N")
+    par.add_argument("--data-parallel-size-local", "-dpl", type=_positive, default=None, metavar="N",
                      help="DP ranks on this node (DP across nodes)")
-    par.add_argument("--data-parallel-rank", "-dpn", type=_non_negative, default=None,
-                     help="first DP rank on this node (DP across nodes)")
-    par.add_argument("--data-parallel-address", "-dpa", default=None, help="node 0's address (DP across nodes)")
+    par.add_argument("--data-parallel-rank", "-dpn", type=_non_negative, default=None, metavar="R",
+                     help="this node's first DP rank (alone: one DP rank per launch)")
+    par.add_argument("--data-parallel-address", "-dpa", default=None, metavar="ADDR",
+                     help="node 0's address (DP across nodes)")
     par.add_argument("--enable-expert-parallel", "-ep", action="store_true")
-    par.add_argument("--nnodes", "-n", type=_positive, default=1, help="nodes the TP/PP ranks span")
-    par.add_argument("--node-rank", "-r", type=_non_negative, default=0)
-    par.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1 on one node)")
+    par.add_argument("--nnodes", "-n", type=_positive, default=1, metavar="N", help="nodes the ranks span")
+    par.add_argument("--node-rank", "-r", type=_non_negative, default=0, metavar="R")
+    par.add_argument("--master-addr", default=None, metavar="ADDR",
+                     help="node 0's address (default 127.0.0.1 on one node)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-model", "--draft-model", dest="draft_model", default=None, metavar="DIR",
                       help="draft model checkpoint: a second daemon group with role 'draft'")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='vLLM-style JSON; its "model" (and "draft_tensor_parallel_size") are used')
-    spec.add_argument("--draft-tensor-parallel-size", type=_positive, default=None,
+    spec.add_argument("--draft-tensor-parallel-size", type=_positive, default=None, metavar="N",
                       help="TP size of the draft group (default: the main model's)")
     wc = p.add_argument_group("weight cache")
     wc.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
                     help="where the daemons' sockets live (default: a per-user 0700 directory)")
-    wc.add_argument("--weight-cache-master-port", type=_port, default=None,
+    wc.add_argument("--weight-cache-master-port", type=_port, default=None, metavar="PORT",
                     help="rendezvous port of the main group on node 0 (required across nodes; else free)")
-    wc.add_argument("--weight-cache-draft-master-port", type=_port, default=None,
+    wc.add_argument("--weight-cache-draft-master-port", type=_port, default=None, metavar="PORT",
                     help="rendezvous port of the draft group (default: master port + 1 across nodes; else "
                          "free); must differ from the main one")
-    wc.add_argument("--weight-cache-health-port", type=_non_negative, default=None,
+    wc.add_argument("--weight-cache-health-port", type=_non_negative, default=None, metavar="PORT",
                     help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
-    wc.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST)
+    wc.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST, metavar="HOST",
+                    help=f"address the HTTP server binds (default {DEFAULT_HEALTH_HOST})")
     wc.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S",
                     help="give up if the daemons are not ready after this long")
     wc.add_argument("--weight-cache-rendezvous-timeout", type=float, default=600.0, metavar="S",
@@ -110,9 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,demo}")
     add_preload_arguments(sub.add_parser(
-        "preload", help="start a daemon per rank and keep the weights loaded",
-        description="Start one weight cache daemon per rank of this node (DP x PP x TP, +EP) and hold the "
-                    "weights until SIGINT/SIGTERM. Flags are named like vLLM's."))
+        "preload", help="start a daemon per rank and keep the weights loaded", description=PRELOAD_DESCRIPTION,
+        epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
     st = sub.add_parser("status", help="list the daemons in a socket directory")
     st.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -233,7 +246,8 @@ def _tp_plan(text: str | None):
 
 
 def preload_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="weightcache preload")
+    parser = argparse.ArgumentParser(prog="weightcache preload", description=PRELOAD_DESCRIPTION,
+                                     epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_preload_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
