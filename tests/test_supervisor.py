@@ -315,9 +315,12 @@ def test_two_nodes_on_loopback_come_up(ckpts, env, tmp_path, preloads):
     assert "node 1/2" in lines[1] and "main: rank 1 of 2 (dp1-pp1-tp2)" in lines[1]
     assert [n[:7] for n in sockets(tmp_path / "s0")] == ["main-r0"]
     assert [n[:7] for n in sockets(tmp_path / "s1")] == ["main-r1"]
-    for n in reversed(nodes):
-        n.proc.send_signal(signal.SIGTERM)
+    pids = nodes[0].descendants() + nodes[1].descendants()
+    nodes[1].proc.send_signal(signal.SIGINT)  # Ctrl-C
+    nodes[0].proc.send_signal(signal.SIGTERM)
     assert [n.wait() for n in nodes] == [0, 0], [n.stderr for n in nodes]
+    assert gone(pids) == []
+    assert sockets(tmp_path / "s0") == sockets(tmp_path / "s1") == []
 
 
 def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads):

@@ -170,7 +170,8 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     go = threading.Event()
     _die_with_parent(spec.supervisor_pid, lifeline, go)
     signal.signal(signal.SIGTERM, _raise_terminated)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the supervisor; it decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor alone; it stops the daemons
     p = spec.placement
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{spec.role} r{p.rank}] %(name)s: %(message)s")
@@ -332,6 +333,8 @@ class Supervisor:
             self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
+            if not self.ready:  # the other nodes must not wait for this one
+                failure = StartError(f"node {self.node_rank} was stopped ({t}) during start-up", 0)
         except BaseException as e:
             failure = e
             code = e.code if isinstance(e, StartError) else 1
