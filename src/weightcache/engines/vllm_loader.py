@@ -426,3 +426,46 @@ def _log_progress(path):
             log.info("waiting for the weight cache at %s to load (%s)", path, pct)
 
     return on_progress
+
+
+# ---- parity ----------------------------------------------------------------------------------------------------
+
+
+def engine_state(model: nn.Module, probe_seed: int = 0) -> dict[str, torch.Tensor]:
+    """What an engine computes with: every tensor reachable from the model (parameters, buffers, tensor
+    attributes of modules and of their quantization methods / kernels), plus, for each kernel handle
+    (vLLM's CPU GEMMs hold their weights inside), its output on a fixed input as ``probe:<module>``."""
+    from ..sources.vllm import reachable_tensors
+
+    tensors, _ = reachable_tensors(model)
+    out = {k: v for k, v in tensors.items() if not v.is_meta}
+    g = torch.Generator().manual_seed(probe_seed)
+    for name, module in model.named_modules():
+        fn = getattr(module, "cpu_linear", None)
+        if not callable(fn):
+            continue
+        k = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+        dtype = getattr(module, "params_dtype", None) or torch.get_default_dtype()
+        if not k:
+            continue
+        x = torch.randn(3, int(k), generator=g).to(dtype)
+        with torch.no_grad():
+            out[f"probe:{name}"] = fn(x, module.weight, getattr(module, "bias", None))
+    return out
+
+
+def parity(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> list[str]:
+    """Differences between two ``engine_state``s: names on one side only, dtype/shape/byte mismatches."""
+    diffs = [f"missing: {n}" for n in sorted(set(expected) - set(actual))]
+    diffs += [f"unexpected: {n}" for n in sorted(set(actual) - set(expected))]
+    for n in sorted(set(expected) & set(actual)):
+        a, b = expected[n], actual[n]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            diffs.append(f"{n}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+        elif not torch.equal(_bytes(a), _bytes(b)):
+            diffs.append(f"{n}: bytes differ")
+    return diffs
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

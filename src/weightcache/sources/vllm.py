@@ -226,8 +226,7 @@ def python_state(model: nn.Module) -> dict[str, dict[str, tuple]]:
 
     for mname, module in model.named_modules(remove_duplicate=False):
         items = [(k, v) for k, v in vars(module).items() if k not in internals]
-        items += [(k, v) for k, v in module._parameters.items() if v is not None]
-        items += [(k, v) for k, v in module._buffers.items() if v is not None]
+        items += list(module._parameters.items()) + list(module._buffers.items())  # None: a scalar
         record(mname, module, items, 0)
     return state
 

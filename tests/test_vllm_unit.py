@@ -1,0 +1,207 @@
+"""vLLM integration pieces that need vLLM importable but no engine: plugin registration, options, capture
+and rebinding of a model's tensors and host-side state through a real daemon, the quantization allow-list,
+parity and the preload front end's argument errors."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from weightcache import attach, publish  # noqa: E402
+from weightcache.engines import vllm_loader  # noqa: E402
+from weightcache.engines.vllm_loader import Options, bind_tensors, parity  # noqa: E402
+from weightcache.errors import WeightCacheError  # noqa: E402
+from weightcache.key import CacheKey  # noqa: E402
+from weightcache.sources import vllm as src  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_registers_the_load_format():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "weightcache"]
+    assert len(eps) == 1 and eps[0].value == "weightcache.engines.vllm_plugin:register"
+    register = eps[0].load()
+    register()
+    register()  # every vLLM process loads plugins; twice is harmless
+    loader = get_model_loader(LoadConfig(load_format="weightcache",
+                                         model_loader_extra_config={"mode": "copy", "fallback": "true"}))
+    assert isinstance(loader, vllm_loader.WeightCacheModelLoader)
+    assert loader.options == Options(mode="copy", fallback=True)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mode": "zero_copy"}, "'map' or 'copy'"),
+    ({"socket": "/tmp/x"}, "unknown --model-loader-extra-config key(s)"),
+    ({"fallback": "maybe"}, "true or false"),
+    ({"wait": -1}, ">= 0"),
+    ({"wait": "soon"}, "number of seconds"),
+])
+def test_bad_options_are_refused(extra, message):
+    with pytest.raises(ValueError) as e:
+        Options.parse(extra)
+    assert message in str(e.value)
+
+
+def test_options_defaults():
+    o = Options.parse({})
+    assert (o.socket_dir, o.mode, o.fallback, o.wait) == (None, "map", False, vllm_loader.DEFAULT_WAIT_S)
+    assert Options.parse({"socket_dir": "/s", "wait": "5", "fallback": False}) == Options("/s", "map", False, 5.0)
+
+
+class Block(nn.Module):
+    """A model with what vLLM models have: tied and aliased parameters, a non-contiguous view sharing a
+    parameter's storage, persistent and non-persistent buffers, plain tensor attributes."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.embed = nn.Parameter(torch.empty(16, 8, device=device), requires_grad=False)
+        self.proj = nn.Linear(8, 6, bias=True, device=device)
+        self.proj.k_scale = nn.Parameter(torch.empty((), device=device), requires_grad=False)  # a placeholder
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(8, device=device), requires_grad=False)
+        self.register_buffer("table", torch.empty(4, 8, device=device))
+        self.register_buffer("cache", torch.empty(3, device=device), persistent=False)
+        self.rope = nn.Module()
+        self.rope.register_buffer("cos_sin", torch.empty(5, 2, device=device), persistent=False)
+        self.rope2 = self.rope  # one module under two names, like vLLM's shared rotary embeddings
+
+
+def _loaded_block():
+    torch.manual_seed(0)
+    m = Block()
+    before = src.python_state(m)
+    with torch.no_grad():
+        m.embed.normal_()
+        m.proj.weight.normal_()
+        m.proj.bias.normal_()
+        m.norm.weight.normal_()
+        m.table.normal_()
+        m.cache.normal_()
+        m.rope.cos_sin.normal_()
+    # what post-processing does: views sharing storage, scale attributes, host scalars, deletions
+    m.w_t = m.proj.weight.t()  # non-contiguous view of a parameter
+    m.scale_cpu = torch.tensor(0.5)
+    m.scale_float = 0.5
+    m.proj.input_scale = None
+    m.lm_head = m.embed  # tied (same object under two names)
+    m.proj.bias = None
+    del m.proj.k_scale
+    return m, before
+
+
+def test_capture_publish_attach_bind_roundtrip(sockdir):
+    model, before = _loaded_block()
+    tensors, roles = src.capture(model, before)
+    meta = src.read_meta(tensors)
+    assert meta["aliases"]["lm_head"] == "embed"
+    assert meta["scalars"]["scale_float"] == {"v": 0.5} and meta["scalars"]["proj.input_scale"] == {"v": None}
+    assert meta["deleted"] == ["proj.k_scale"] and meta["scalars"]["proj.bias"] == {"v": None}
+    assert roles["cache"] == "nonpersistent_buffer" and roles["table"] == "buffer"
+    assert roles["w_t"] == "attribute" and roles["scale_cpu"] == "attribute"
+    assert meta["aliases"]["rope2.cos_sin"] == "rope.cos_sin" and "rope2.cos_sin" not in tensors
+
+    key = CacheKey(model="block", content_digest="d", engine="vllm")
+    d = publish(tensors, f"{sockdir}/b.sock", key, roles=roles)
+    try:
+        with attach(f"{sockdir}/b.sock", expect=key) as att:
+            assert len(att.manifest.storages) == len({t.untyped_storage().data_ptr() for t in tensors.values()})
+            with torch.device("meta"):
+                engine = Block()
+            vllm_loader.apply_deletions(engine, meta["deleted"])
+            bind_tensors(engine, dict(att.tensors), att.roles, meta)
+            vllm_loader.apply_scalars(engine, meta["scalars"])
+            assert vllm_loader.leftover_meta(engine, torch.device("cpu")) == []
+            assert engine.lm_head is engine.embed  # tie kept: one Parameter
+            assert engine.rope2.cos_sin is engine.rope.cos_sin
+            assert engine.proj.bias is None and engine.proj.input_scale is None and engine.scale_float == 0.5
+            assert not hasattr(engine.proj, "k_scale")
+            assert engine.w_t.stride() == (1, 8) and not engine.w_t.is_contiguous()
+            assert engine.w_t.untyped_storage().data_ptr() == engine.proj.weight.untyped_storage().data_ptr()
+            assert "cache" in engine._non_persistent_buffers_set and "cache" not in engine.state_dict()
+            assert isinstance(engine.proj.weight, nn.Parameter) and not engine.proj.weight.requires_grad
+            assert parity(_state(model), _state(engine)) == []
+            x = torch.randn(2, 8)
+            assert torch.equal(engine.proj(x), model.proj(x))
+    finally:
+        d.close()
+
+
+def _state(m):
+    tensors, _ = src.reachable_tensors(m)
+    return dict(tensors)
+
+
+def test_parity_reports_every_kind_of_difference():
+    a = {"x": torch.arange(4.0), "y": torch.ones(2), "z": torch.zeros(3, dtype=torch.bfloat16)}
+    b = {"x": torch.arange(4.0), "y": torch.tensor([1.0, 1.0000001]), "w": torch.ones(1), "z": torch.zeros(3)}
+    assert parity(a, a) == []
+    diffs = parity(a, b)
+    assert "unexpected: w" in diffs and "y: bytes differ" in diffs and "x: bytes differ" not in diffs
+    assert "z: torch.bfloat16[3] vs torch.float32[3]" in diffs
+    assert parity(b, a)[0] == "missing: w"
+    assert parity({"nan": torch.tensor([float("nan")])}, {"nan": torch.tensor([float("nan")])}) == []
+
+
+def test_state_created_by_loading_that_cannot_be_shared_is_refused():
+    model, before = _loaded_block()
+    model.proj.kernel = object()  # an opaque object made by post-processing
+    with pytest.raises(src.UnsupportedQuantization, match=r"proj\.kernel \(object\)"):
+        src.capture(model, before)
+
+
+def test_quantization_outside_the_allow_list_is_refused():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class PackedInt4Method(QuantizeMethodBase):  # a quantization plugin's method
+        def create_weights(self, layer, *args, **kwargs):
+            pass
+
+        def apply(self, layer, *args, **kwargs):
+            return None
+
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.quant_method = UnquantizedLinearMethod()
+    src.check_quantization(model)
+    model.b = nn.Module()
+    model.b.quant_method = PackedInt4Method()
+    with pytest.raises(src.UnsupportedQuantization) as e:
+        src.check_quantization(model)
+    assert "PackedInt4Method: 1 layer(s), e.g. b" in str(e.value)
+    assert "load this model from disk" in str(e.value)
+
+
+def test_layout_string_matches_the_preload_layout():
+    from weightcache.layout import Layout
+
+    class PC:
+        data_parallel_size, pipeline_parallel_size, tensor_parallel_size, enable_expert_parallel = 2, 1, 4, True
+
+    assert src.layout_string(PC) == Layout(tp=4, dp=2, ep=True, device_type="cpu").describe() == "dp2-pp1-tp4-ep8"
+
+
+def test_read_meta_refuses_a_cache_from_another_front_end():
+    with pytest.raises(WeightCacheError, match="not a `preload --engine vllm` cache"):
+        src.read_meta({"w": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent", "--load-format", "weightcache"], "drop --load-format weightcache"),
+    (["--engine", "transformers", "--model", "x"], "--engine vllm only"),
+])
+def test_preload_front_end_refuses_bad_flags(argv, message):
+    r = subprocess.run([sys.executable, "-m", "weightcache.vllm_preload", *argv], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert message in r.stderr
