@@ -1,0 +1,327 @@
+"""vLLM end to end on CPU, really running vLLM: `weightcache preload --engine vllm` daemons and engines started
+with `--load-format weightcache`, compared with the same engines loading from disk.
+
+Each engine runs in its own process (tests/vllm_runner.py; in-process engine core for speed, except the
+OpenAI server test, which runs vLLM's default multi-process engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from weightcache.checkpoints import make_llama_checkpoint  # noqa: E402
+from weightcache.client import query_status  # noqa: E402
+from weightcache.engines.vllm_loader import parity  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+RUNNER = str(HERE / "vllm_runner.py")
+# head_dim 64: vLLM's CPU attention has no kernel for smaller heads.
+SHAPE = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2, vocab_size=512,
+             dtype=torch.bfloat16)
+VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "128"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    tiny = make_llama_checkpoint(root / "tiny", seed=0, **SHAPE)
+    tiny2 = make_llama_checkpoint(root / "tiny2", seed=1, **SHAPE)
+    env = dict(os.environ)
+    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", XDG_CACHE_HOME=str(root / "cache"), PYTHONUNBUFFERED="1")
+    w = {"root": root, "tiny": str(tiny), "tiny2": str(tiny2), "env": env, "results": {}, "dirs": []}
+    yield w
+    for d in w["dirs"]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sockdir(work, name: str) -> str:
+    # Unix socket paths are short: keep the directory out of pytest's long tmp paths.
+    d = tempfile.mkdtemp(prefix=f"wcv-{name}-", dir="/tmp")
+    os.chmod(d, 0o700)
+    work["dirs"].append(d)
+    return d
+
+
+class Preload:
+    """`weightcache preload --engine vllm ...` in a subprocess, until READY."""
+
+    def __init__(self, work, model: str, sockdir: str, *flags: str, timeout: float = 300.0):
+        self.sockdir = sockdir
+        self.log = open(work["root"] / f"preload-{Path(sockdir).name}.log", "w+")
+        cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--engine", "vllm", model, *VLLM_FLAGS,
+               "--weight-cache-socket-dir", sockdir, *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=work["env"])
+        deadline = time.monotonic() + timeout
+        self.ready = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            if "READY" in line:
+                self.ready = line
+                return
+        self.stop()
+        raise AssertionError(f"preload did not get ready:\n{self.tail()}")
+
+    def sockets(self, role: str = "main") -> list[str]:
+        return sorted(str(p) for p in Path(self.sockdir).glob(f"{role}-r*.sock"))
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def run_engine(work, spec: dict, *, env: dict | None = None, timeout: float = 420.0) -> dict:
+    spec = {"model": work["tiny"], **spec}
+    r = subprocess.run([sys.executable, RUNNER, json.dumps(spec)], capture_output=True, text=True,
+                       env={**work["env"], **(env or {})}, timeout=timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+        if line.startswith("ERROR "):
+            err = json.loads(line[6:])
+            err["log"] = r.stderr[-3000:]
+            return {"error": err}
+    raise AssertionError(f"engine run printed no result (exit {r.returncode}):\n{r.stderr[-4000:]}")
+
+
+def ok(res: dict) -> dict:
+    assert "error" not in res, f"{res['error']['type']}: {res['error']['message']}\n{res['error']['log']}"
+    return res
+
+
+def weight_files_opened(res: dict) -> list[str]:
+    return [e for e in res["opened"] if e.endswith(".safetensors")]
+
+
+@pytest.fixture(scope="module")
+def daemons(work):
+    """The main model plus a draft model group (speculative decoding), as one preload."""
+    sd = _sockdir(work, "main")
+    spec = json.dumps({"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2})
+    p = Preload(work, work["tiny"], sd, "--speculative-config", spec)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def disk(work):
+    """The reference: the same engine loading from disk (its weight files are seen being opened)."""
+    res = ok(run_engine(work, {"watch": [work["tiny"]], "dump": str(work["root"] / "disk.pt")}))
+    assert weight_files_opened(res), "the open watcher saw no weight file opened by a disk load"
+    return res
+
+
+def attach_extra(daemons, **kw) -> dict:
+    return {"socket_dir": daemons.sockdir, **kw}
+
+
+def test_attach_generates_the_disk_tokens_restarts_and_never_opens_weights(work, daemons, disk):
+    first = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons),
+                                 "watch": [work["tiny"]], "dump": str(work["root"] / "attach.pt"),
+                                 "external_memory": True}))
+    assert first["attached"] and first["tokens"] == disk["tokens"]
+    assert weight_files_opened(first) == [], first["opened"]
+    # the loader's get_external_weight_memory(): exactly the bytes the main daemon maps for this key
+    assert first["external_memory"] == query_status(daemons.sockets("main")[0]).nbytes > 0
+    # parity: every tensor reachable from the model, plus each CPU kernel's output on a fixed input
+    diffs = parity(torch.load(work["root"] / "disk.pt"), torch.load(work["root"] / "attach.pt"))
+    assert diffs == []
+    for _ in range(2):  # restarts: same tokens each time
+        again = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons)}))
+        assert again["attached"] and again["tokens"] == disk["tokens"]
+    st = query_status(daemons.sockets("main")[0])
+    assert st.attaches_served >= 3 and st.clients_attached == 0  # engines that exited detached
+
+
+def test_draft_model_attaches_from_the_draft_group(work, daemons, disk):
+    spec = {"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2}
+    draft_sock = daemons.sockets("draft")
+    assert len(draft_sock) == 1
+    served = query_status(draft_sock[0]).attaches_served
+    ref = ok(run_engine(work, {"speculative_config": spec, "dump": str(work["root"] / "spec-disk.pt")}))
+    res = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons),
+                               "speculative_config": spec, "watch": [work["tiny"], work["tiny2"]],
+                               "dump": str(work["root"] / "spec-attach.pt"), "external_memory": True}))
+    assert res["attached"] and res["draft_attached"]
+    assert res["tokens"] == ref["tokens"] == disk["tokens"]  # greedy speculative decoding is lossless
+    assert weight_files_opened(res) == []
+    assert query_status(draft_sock[0]).attaches_served == served + 1
+    main_bytes = query_status(daemons.sockets("main")[0]).nbytes
+    assert res["external_memory"] == main_bytes + query_status(draft_sock[0]).nbytes
+    a, b = torch.load(work["root"] / "spec-disk.pt"), torch.load(work["root"] / "spec-attach.pt")
+    assert any(k.startswith("drafter.") for k in a)
+    assert parity(a, b) == []
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"dtype": "float32"}, "dtype: engine expects 'float32', daemon holds 'bfloat16'"),
+    ({"model": "tiny2"}, "content_digest: engine expects"),
+])
+def test_mismatched_engine_is_refused_field_by_field(work, daemons, change, field):
+    spec = {"load_format": "weightcache", "extra": attach_extra(daemons)}
+    if "model" in change:
+        spec["model"] = work[change["model"]]
+    else:
+        spec.update(change)
+    res = run_engine(work, spec)
+    assert "error" in res, "a mismatched engine was served"
+    assert field in res["error"]["message"] or field in res["error"]["log"], res["error"]
+
+
+def test_no_daemon_fails_naming_the_socket_unless_fallback(work, disk):
+    empty = _sockdir(work, "empty")
+    res = run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": empty}})
+    assert "error" in res
+    text = res["error"]["message"] + res["error"]["log"]
+    assert f"Tried {empty}/main-r0-cpu-" in text and "weightcache preload --engine vllm" in text
+    res = ok(run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": empty, "fallback": True},
+                               "watch": [work["tiny"]]}))
+    assert not res["attached"] and res["tokens"] == disk["tokens"]
+    assert weight_files_opened(res)  # it did load from disk
+
+
+def test_fallback_on_mismatch_loads_from_disk(work, daemons):
+    # another checkpoint than the daemon holds: refused by key, loaded from disk, still correct
+    res = ok(run_engine(work, {"model": work["tiny2"], "load_format": "weightcache",
+                               "extra": attach_extra(daemons, fallback=True)}))
+    ref = ok(run_engine(work, {"model": work["tiny2"]}))
+    assert not res["attached"] and res["tokens"] == ref["tokens"]
+    work["results"]["tiny2_tokens"] = ref["tokens"]
+
+
+def test_in_place_weight_reload(work, daemons, disk):
+    # mode=copy: vLLM's reload_weights rebinds through the parameters' weight_loader attributes
+    res = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons, mode="copy"),
+                               "reload": {"weights_path": work["tiny2"]}, "external_memory": True}))
+    assert res["attached"] and res["tokens"] == disk["tokens"]
+    assert res["external_memory"] == 0  # a private copy is the engine's own memory
+    assert res["reload"] == "ok"
+    tiny2 = work["results"].get("tiny2_tokens") or ok(run_engine(work, {"model": work["tiny2"]}))["tokens"]
+    assert res["tokens_after_reload"] == tiny2
+    # mode=map: the mapping is read-only, so the reload is refused before anything changes
+    res = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons), "reload": {}}))
+    assert "mode" in res["reload"] and "copy" in res["reload"] and res["reload"].startswith("WeightCacheError")
+    assert res["tokens_after_reload"] == disk["tokens"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(port: int, prompt: str) -> list[int]:
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_openai_server_keeps_serving_when_the_daemon_is_killed(work, disk):
+    """vLLM's OpenAI server with its default multi-process engine (the plugin loads in every process)."""
+    import httpx
+
+    sd = _sockdir(work, "api")
+    pre = Preload(work, work["tiny"], sd)
+    port = _free_port()
+    env = {**work["env"]}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    log = open(work["root"] / "api.log", "w+")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work["tiny"], *VLLM_FLAGS,
+         "--served-model-name", "m", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
+         "--port", str(port), "--load-format", "weightcache",
+         "--model-loader-extra-config", json.dumps({"socket_dir": sd})],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert server.poll() is None, f"server exited:\n{_tail(log)}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise AssertionError(f"server not healthy:\n{_tail(log)}")
+        st = query_status(pre.sockets()[0])
+        assert st.clients_attached == 1  # the engine's worker holds its attachment
+        before = [_complete(port, p) for p in ("Hello, world", "The quick brown fox")]
+        assert before == disk["tokens"][:2]
+        os.kill(st.pid, signal.SIGKILL)  # the daemon holding the arena
+        pre.proc.kill()  # and its supervisor
+        pre.proc.wait(30)
+        assert [_complete(port, p) for p in ("Hello, world", "The quick brown fox")] == before
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        pre.stop()
+
+
+def _tail(f, n: int = 4000) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-n:]
+
+
+def test_tensor_parallel_2(work, disk):
+    """TP=2 on vLLM's CPU backend (gloo; one core per rank): the preload's two daemons form their own
+    group, each engine worker attaches its rank, byte-identical to the disk load's shards."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on the CPU backend needs two cores")
+    sd = _sockdir(work, "tp2")
+    pre = Preload(work, work["tiny"], sd, "--tensor-parallel-size", "2")
+    try:
+        assert len(pre.sockets()) == 2 and "dp1-pp1-tp2" in pre.ready
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        ref = ok(run_engine(work, {"tp": 2, "dump": str(work["root"] / "tp2-disk.pt")}, env=env))
+        res = ok(run_engine(work, {"tp": 2, "load_format": "weightcache", "extra": {"socket_dir": sd},
+                                   "watch": [work["tiny"]], "dump": str(work["root"] / "tp2-attach.pt")}, env=env))
+        assert res["tokens"] == ref["tokens"]
+        assert weight_files_opened(res) == []
+        for rank in (0, 1):
+            a = torch.load(work["root"] / f"tp2-disk.pt.rank{rank}")
+            b = torch.load(work["root"] / f"tp2-attach.pt.rank{rank}")
+            assert a["model.embed_tokens.weight"].shape[0] == 256  # a shard, not the whole table
+            assert parity(a, b) == []
+        assert all(query_status(s).attaches_served == 1 for s in pre.sockets())
+        # a TP=1 engine against the TP=2 daemons: refused by layout
+        bad = run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": sd}})
+        assert "error" in bad
+        assert "layout: engine expects 'dp1-pp1-tp1', daemon holds 'dp1-pp1-tp2'" in (
+            bad["error"]["message"] + bad["error"]["log"])
+    finally:
+        pre.stop()
