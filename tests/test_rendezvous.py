@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -97,6 +98,27 @@ def test_a_node_that_never_joins_times_out_clearly():
             rdv.agree(STAMP, ranks=[0])
     finally:
         rdv.close()
+
+
+def test_on_poll_errors_stop_the_wait_and_reach_the_other_node():
+    class LocalDaemonDied(Exception):
+        pass
+
+    def body(n, rdv):
+        if n == 0:
+            def check():
+                raise LocalDaemonDied("rank 0 exited with code 3")
+            try:
+                rdv.agree(STAMP, ranks=[0], on_poll=check)
+            except LocalDaemonDied as e:
+                rdv.fail(str(e))
+                raise
+        time.sleep(0.2)
+        return rdv.agree(STAMP, ranks=[1])
+
+    res = run_nodes(2, body)
+    assert isinstance(res[0], Exception) and "rank 0 exited with code 3" in str(res[0])
+    assert isinstance(res[1], RendezvousError) and "node 0: rank 0 exited with code 3" in str(res[1])
 
 
 def test_duplicate_node_rank_is_refused():

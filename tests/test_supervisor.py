@@ -178,7 +178,10 @@ def test_health_metrics_status_and_sigterm(ckpts, env, tmp_path, preloads):
     while (r := httpx.get(url + "/health")).status_code != 503:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert "main rank 1: exited" in r.text
+    assert "main rank 1:" in r.text  # unreachable first, then exited once reaped
+    while "main rank 1: exited" not in (r := httpx.get(url + "/health")).text:
+        assert r.status_code == 503 and time.monotonic() < deadline, r.text
+        time.sleep(0.05)
 
     p.proc.send_signal(signal.SIGTERM)
     assert p.wait() == 0, p.stderr

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -184,31 +184,3 @@ class HealthServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
-
-
-@dataclass
-class Probe:
-    """What the supervisor knows about one daemon; `probe()` turns it into an entry by asking the socket."""
-
-    role: str
-    rank: int
-    socket: str
-    device: str = ""
-    pid: int | None = None
-    is_alive: Callable[[], bool] = field(default=lambda: True)
-    exitcode: Callable[[], int | None] = field(default=lambda: None)
-
-    def probe(self, timeout: float = 1.0) -> DaemonEntry:
-        from .client import query_status
-
-        entry = DaemonEntry(self.role, self.rank, self.socket, device=self.device, pid=self.pid)
-        entry.alive = self.is_alive()
-        if not entry.alive:
-            entry.exitcode = self.exitcode()
-            entry.error = f"process exited with code {entry.exitcode}"
-            return entry
-        try:
-            entry.status = query_status(self.socket, timeout=timeout)
-        except Exception as e:
-            entry.error = str(e) or type(e).__name__
-        return entry

@@ -224,12 +224,9 @@ class Rendezvous:
             return
         try:
             if self.is_master and self._linger and self.nnodes > 1:
-                # Keep the store up until every other node that joined has read the verdict.
+                # Keep the store up (a while) until every other node has read the verdict.
                 deadline = time.monotonic() + LINGER_S
-                while time.monotonic() < deadline:
-                    joined = sum(store.check([self._k(f"joined/{n}")]) for n in range(1, self.nnodes))
-                    if store.add(self._k("left"), 0) >= joined:
-                        break
+                while time.monotonic() < deadline and store.add(self._k("left"), 0) < self.nnodes - 1:
                     time.sleep(POLL_S)
             elif not self.is_master:
                 store.add(self._k("left"), 1)
