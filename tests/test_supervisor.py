@@ -338,3 +338,22 @@ def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads)
         assert "content_digest: node 0 has 'sha256:" in err
         assert not n.out
     assert sockets(tmp_path / "s0") == [] and sockets(tmp_path / "s1") == []
+
+
+def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch, capsys):
+    from weightcache.cli import checkpoint_source
+    from weightcache.supervisor import Group, Supervisor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sdir = tmp_path / "s"
+    sup = Supervisor([Group(role="main", layout=Layout(device_type="cpu"), make_source=checkpoint_source,
+                            source_args={"path": str(ckpts["a"])})], socket_dir=sdir)
+    try:
+        sup.start()
+        assert "weightcache READY node 0/1: 1 rank(s) x 1 role(s)" in capsys.readouterr().out
+        (child,) = sup.children
+        os.kill(child.proc.pid, signal.SIGKILL)
+        assert sup.hold() == 128 + signal.SIGKILL
+    finally:
+        sup.shutdown()
+    assert sockets(sdir) == [], "the killed daemon's socket is removed"

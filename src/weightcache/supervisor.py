@@ -330,7 +330,7 @@ class Supervisor:
         code = 0
         try:
             self.start()
-            self.hold()
+            code = self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
             if not self.ready:  # the other nodes must not wait for this one
@@ -374,8 +374,9 @@ class Supervisor:
         self.ready = True
         self._print_ready()
 
-    def hold(self) -> None:
-        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503)."""
+    def hold(self) -> int:
+        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503); when
+        none is left, return the worst exit code."""
         while True:
             sentinels = [c.proc.sentinel for c in self.children if not c.exited]
             if sentinels:
@@ -386,8 +387,11 @@ class Supervisor:
                 c.drain()
                 if c.exited and id(c) not in self._reported:
                     self._reported.add(id(c))
-                    log.error("%s exited with code %s after it was ready%s; the others keep serving",
-                              c.label, c.proc.exitcode, f": {c.message}" if c.message else "")
+                    log.error("%s exited with code %s after it was ready%s", c.label, c.proc.exitcode,
+                              f": {c.message}" if c.message else "")
+            if all(c.exited for c in self.children):
+                log.error("every daemon of this node has exited; stopping")
+                return max(exit_code_of(c.proc.exitcode) for c in self.children)
 
     def shutdown(self, failure: BaseException | None = None) -> None:
         from .rendezvous import RendezvousError
