@@ -357,3 +357,16 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
     finally:
         sup.shutdown()
     assert sockets(sdir) == [], "the killed daemon's socket is removed"
+
+
+def test_a_node_waiting_for_node_0_stops_promptly(ckpts, env, tmp_path, preloads):
+    p = _node(ckpts["a"], 1, free_port(), tmp_path / "s1", env, tmp_path)
+    preloads.append(p)
+    deadline = time.monotonic() + 120
+    while "waiting for node 0's store" not in p.stderr:
+        assert p.proc.poll() is None and time.monotonic() < deadline, p.stderr
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 0, p.stderr
+    assert time.monotonic() - t0 < 10

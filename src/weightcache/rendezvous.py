@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -60,6 +61,8 @@ class Rendezvous:
         import torch.distributed as dist
 
         where = f"{self.master_addr}:{self.port}"
+        if not self.is_master:
+            self._await_master(where)
         try:
             self.store = dist.TCPStore(
                 self.master_addr, self.port, None, self.is_master,
@@ -76,6 +79,23 @@ class Rendezvous:
             ) from e
         self.port = int(self.store.port)
         return self.port
+
+    def _await_master(self, where: str) -> None:
+        """Wait for node 0's store to listen, in Python, so that signals stay responsive meanwhile."""
+        deadline = time.monotonic() + self.timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.master_addr, self.port), timeout=1.0).close()
+                return
+            except OSError as e:
+                if last is None:
+                    log.info("[%s] node %d: waiting for node 0's store at %s", self.group, self.node_rank, where)
+                last = e
+                time.sleep(0.1)
+        raise RendezvousError(
+            f"[{self.group}] node {self.node_rank} cannot reach the master at {where} within {self.timeout:.0f} s: "
+            f"{last} (is node 0 running preload with the same --master-addr and port?)")
 
     # --- store helpers that turn a vanished master into a clear error ---
     def _call(self, fn, *args):
