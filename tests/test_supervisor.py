@@ -302,10 +302,12 @@ def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplo
 
 # --- two nodes on one host, over loopback ---
 
-def _node(ckpt, rank, port, sdir, env, tmp_path, *extra):
-    return Preload([ckpt, "-tp", "2", "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1",
-                    "--weight-cache-master-port", port, "--weight-cache-allow-loopback-nodes", "--device", "cpu",
-                    "--weight-cache-socket-dir", sdir, "--weight-cache-rendezvous-timeout", "120", *extra],
+def _node(ckpt, rank, port, sdir, env, tmp_path, dp=False):
+    """Node `rank` of two: TP 2 across the nodes, or (dp=True) DP 2 with one replica per node."""
+    split = (["-dp", "2", "-dpl", "1", "-dpn", rank, "--data-parallel-address", "127.0.0.1"] if dp else
+             ["-tp", "2", "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1"])
+    return Preload([ckpt, *split, "--weight-cache-master-port", port, "--weight-cache-allow-loopback-nodes",
+                    "--device", "cpu", "--weight-cache-socket-dir", sdir, "--weight-cache-rendezvous-timeout", "120"],
                    env, tmp_path, name=f"node{rank}")
 
 
@@ -328,7 +330,7 @@ def test_two_nodes_on_loopback_come_up(ckpts, env, tmp_path, preloads):
 
 def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads):
     port = free_port()
-    nodes = [_node(ckpts[c], r, port, tmp_path / f"s{r}", env, tmp_path) for r, c in ((0, "a"), (1, "b"))]
+    nodes = [_node(ckpts[c], r, port, tmp_path / f"s{r}", env, tmp_path, dp=True) for r, c in ((0, "a"), (1, "b"))]
     preloads.extend(nodes)
     codes = [n.wait(180) for n in nodes]
     for n, code in zip(nodes, codes, strict=True):
