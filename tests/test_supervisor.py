@@ -372,3 +372,22 @@ def test_a_node_waiting_for_node_0_stops_promptly(ckpts, env, tmp_path, preloads
     p.proc.send_signal(signal.SIGTERM)
     assert p.wait(30) == 0, p.stderr
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.gpu
+def test_preload_on_cuda_serves_the_transformers_engine(ckpts, env, tmp_path, preloads):
+    import torch
+
+    from weightcache.engines import transformers as wct
+
+    sdir = tmp_path / "s"
+    p = Preload([ckpts["a"], "--device", "cuda", "--weight-cache-socket-dir", sdir], env, tmp_path)
+    preloads.append(p)
+    assert "on cuda:0" in p.wait_ready()
+    model = wct.from_pretrained(ckpts["a"], device="cuda", socket_dir=sdir, fallback=False)
+    assert model._weightcache_source == "attach"
+    assert next(model.parameters()).device == torch.device("cuda", 0)
+    del model
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.wait() == 0, p.stderr
+    assert sockets(sdir) == []
