@@ -11,7 +11,7 @@ import torch
 from .key import dtype_name, parse_dtype
 
 ALIGNMENT = 256
-DEFAULT_BLOCK_BYTES = 2 << 30
+DEFAULT_BLOCK_BYTES = 4 << 30
 ROLES = ("parameter", "buffer", "nonpersistent_buffer", "attribute")
 
 
