@@ -6,7 +6,10 @@ import time
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightcache.http import DaemonEntry, HealthServer, build_app, healthy, render_metrics
