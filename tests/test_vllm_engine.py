@@ -101,14 +101,18 @@ def run_engine(work, spec: dict, *, env: dict | None = None, timeout: float = 42
     spec = {"model": work["tiny"], **spec}
     r = subprocess.run([sys.executable, RUNNER, json.dumps(spec)], capture_output=True, text=True,
                        env={**work["env"], **(env or {})}, timeout=timeout)
-    for line in r.stdout.splitlines():
+    return _result(r.stdout, r.stderr)
+
+
+def _result(stdout: str, stderr: str) -> dict:
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
         if line.startswith("ERROR "):
             err = json.loads(line[6:])
-            err["log"] = r.stderr[-3000:]
+            err["log"] = stderr[-3000:]
             return {"error": err}
-    raise AssertionError(f"engine run printed no result (exit {r.returncode}):\n{r.stderr[-4000:]}")
+    raise AssertionError(f"engine run printed no result:\n{stderr[-4000:]}")
 
 
 def ok(res: dict) -> dict:
@@ -229,6 +233,40 @@ def test_in_place_weight_reload(work, daemons, disk):
     res = ok(run_engine(work, {"load_format": "weightcache", "extra": attach_extra(daemons), "reload": {}}))
     assert "mode" in res["reload"] and "copy" in res["reload"] and res["reload"].startswith("WeightCacheError")
     assert res["tokens_after_reload"] == disk["tokens"]
+
+
+def test_engine_waits_while_the_daemon_loads(work, daemons, disk):
+    """A daemon that is still loading: the engine waits (bounded, progress in vLLM's log) instead of loading
+    a second copy from disk, and attaches once the daemon is ready."""
+    from weightcache import attach
+    from weightcache.daemon import Daemon
+    from weightcache.naming import socket_path
+
+    with attach(daemons.sockets("main")[0], mode="copy") as att:  # the weights, to publish again later
+        tensors, roles, key = dict(att.tensors), dict(att.roles), att.key
+    sd = _sockdir(work, "wait")
+    d = Daemon(socket_path(sd, key, "cpu"), key)
+    d.start()  # listening, state "loading"
+    try:
+        res = run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": sd, "wait": 2}})
+        assert "error" in res and "loading" in res["error"]["message"], res
+        log = open(work["root"] / "wait-engine.log", "w+")
+        spec = {"model": work["tiny"], "load_format": "weightcache", "extra": {"socket_dir": sd, "wait": 300},
+                "watch": [work["tiny"]]}
+        proc = subprocess.Popen([sys.executable, RUNNER, json.dumps(spec)], stdout=log, stderr=subprocess.STDOUT,
+                                text=True, env=work["env"])  # vLLM logs to stdout
+        deadline = time.monotonic() + 300
+        while "is loading; waiting up to 300 s" not in _tail(log, 100_000):
+            assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
+            time.sleep(0.2)
+        d.load_tensors(tensors, roles)
+        proc.wait(timeout=300)
+        res = ok(_result(_tail(log, 1_000_000), _tail(log)))
+        assert res["attached"] and res["tokens"] == disk["tokens"]
+        assert weight_files_opened(res) == []
+        assert d.status().attaches_served == 1
+    finally:
+        d.close()
 
 
 def _free_port() -> int:

@@ -147,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _download(vllm_config) -> None:
+    """Fetch Hugging Face models once, here: every daemon (and engine) derives its key from the local files."""
+    import os
+
+    from vllm.model_executor.model_loader import get_model_loader
+
+    configs = [vllm_config.model_config]
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.draft_model_config is not None:
+        configs.append(spec.draft_model_config)
+    for mc in configs:
+        if not os.path.isdir(str(mc.model)):
+            get_model_loader(vllm_config.load_config).download_model(mc)
+
+
 def _preload(args) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -162,6 +177,7 @@ def _preload(args) -> int:
                          "(it is the engine's flag)")
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
+    _download(vllm_config)
     try:
         socket_dir = ensure_private_dir(args.weight_cache_socket_dir) if args.weight_cache_socket_dir \
             else default_socket_dir()

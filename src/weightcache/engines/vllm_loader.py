@@ -31,7 +31,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, WeightCacheError
 
-log = logging.getLogger("weightcache.engines.vllm")
+# Under "vllm" so that vLLM's logging configuration (handler, format, level) shows these lines.
+log = logging.getLogger("vllm.weightcache")
 
 LOAD_FORMAT = "weightcache"
 DEFAULT_WAIT_S = 600.0
@@ -355,7 +356,7 @@ class WeightCacheModelLoader(BaseModelLoader):
         return total
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        from ..client import attach
+        from ..client import attach, wait_ready
 
         device = target_device(vllm_config, self.load_config)
         role = "draft" if is_draft_load(vllm_config, model_config) else "main"
@@ -364,7 +365,14 @@ class WeightCacheModelLoader(BaseModelLoader):
             key = self._key(vllm_config, model_config)
             path = self._find(key, device)
             log.info("attaching the %s model (rank %d) from %s", role, key.rank, path)
-            att = attach(path, expect=key, mode=self.options.mode, wait=self.options.wait)
+            try:
+                att = attach(path, expect=key, mode=self.options.mode)  # the key is checked even while loading
+            except DaemonNotReady as e:
+                if e.state != "loading":
+                    raise
+                log.info("the weight cache at %s is loading; waiting up to %.0f s", path, self.options.wait)
+                wait_ready(path, self.options.wait, on_progress=_log_progress(path))
+                att = attach(path, expect=key, mode=self.options.mode)
         except (DaemonUnavailable, KeyMismatch, DaemonNotReady) as e:
             if not self.options.fallback:
                 raise
@@ -402,7 +410,10 @@ class WeightCacheModelLoader(BaseModelLoader):
             raise WeightCacheError(
                 f"the cache lacks {len(missing)} tensor(s) this engine's model has, e.g. "
                 f"{', '.join(missing[:5])}: the daemon was built for another configuration")
-        bind_cpu_kernels(model)
+        t0 = time.perf_counter()
+        if bind_cpu_kernels(model):
+            log.info("made vLLM's CPU GEMM kernel handles from the attached weights in %.2f s",
+                     time.perf_counter() - t0)
         # In-place reloads materialize layers on the device recorded at construction (meta here).
         for module in model.modules():
             get_layerwise_info(module).restore_device = device
@@ -422,7 +433,7 @@ def _log_progress(path):
     def on_progress(st) -> None:
         if time.monotonic() - last[0] >= 5.0:
             last[0] = time.monotonic()
-            pct = f"{100.0 * st.done / st.total:.0f}%" if st.total else "building the model"
+            pct = f"{100.0 * st.done / st.total:.0f}% packed" if st.total else "building the model"
             log.info("waiting for the weight cache at %s to load (%s)", path, pct)
 
     return on_progress
