@@ -124,20 +124,33 @@ def test_on_poll_errors_stop_the_wait_and_reach_the_other_node():
 def test_duplicate_node_rank_is_refused():
     master = Rendezvous(group="main", master_addr="127.0.0.1", master_port=0, nnodes=3, node_rank=0, timeout=5)
     port = master.start()
-    a = Rendezvous(group="main", master_addr="127.0.0.1", master_port=port, nnodes=3, node_rank=1, timeout=5)
-    b = Rendezvous(group="main", master_addr="127.0.0.1", master_port=port, nnodes=3, node_rank=1, timeout=5)
-    a.start()
-    b.start()
+    twins = [Rendezvous(group="main", master_addr="127.0.0.1", master_port=port, nnodes=3, node_rank=1, timeout=5)
+             for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def join(rdv, ranks):
+        try:
+            rdv.agree(STAMP, ranks=ranks)
+        except RendezvousError as e:
+            errors.append(e)
+
     try:
-        t = threading.Thread(target=lambda: pytest.raises(RendezvousError, a.agree, STAMP, [1]))
-        t.start()
-        with pytest.raises(RendezvousError, match="already joined as node 1"):
-            b.agree(STAMP, ranks=[2])
-        t.join(10)
+        for t in twins:
+            t.start()
+        threads = [threading.Thread(target=join, args=(t, [r])) for t, r in zip(twins, (1, 2), strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        msgs = sorted(str(e) for e in errors)
+        assert len(msgs) == 2, msgs
+        # The second to join is refused outright; the first learns it from the store.
+        assert any("already joined as node 1" in m for m in msgs), msgs
+        assert any("two supervisors started with --node-rank 1" in m for m in msgs), msgs
         with pytest.raises(RendezvousError, match="two supervisors started with --node-rank 1"):
             master.agree(STAMP, ranks=[0])
     finally:
-        for r in (b, a, master):
+        for r in (*twins, master):
             r.close()
 
 
