@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
         finally:
             pre.send_signal(signal.SIGTERM)
             pre.wait(60)
+            shutil.rmtree(sock, ignore_errors=True)
         tokens = {json.dumps(r["tokens"]) for rs in res.values() for r in rs}
         if len(tokens) != 1:
             raise RuntimeError(f"{name}: runs generated different tokens: {tokens}")
