@@ -261,7 +261,7 @@ def preload_main(argv: list[str]) -> int:
 
 def _preload(args) -> int:
     from .errors import WeightCacheError
-    from .supervisor import Group, StartError, Supervisor
+    from .supervisor import Group
 
     model = args.model or args.model_pos
     if not model:
@@ -335,12 +335,19 @@ def _preload(args) -> int:
                             source_args={"path": str(path), "dtype": src_dtype, "tp_plan": tp_plan},
                             make_key=make_key, key_args=key_args, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
+    return run_supervisor(groups, socket_dir, args, args.log_level)
+
+
+def run_supervisor(groups, socket_dir, args, log_level: str) -> int:
+    """Run the daemon groups with the --weight-cache-* options every preload front end shares."""
+    from .supervisor import StartError, Supervisor
+
     try:
         sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
                          health_port=args.weight_cache_health_port,
                          start_timeout=args.weight_cache_start_timeout,
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
-                         log_level=getattr(logging, args.log_level))
+                         log_level=getattr(logging, log_level))
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

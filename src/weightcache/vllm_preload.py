@@ -165,10 +165,9 @@ def _download(vllm_config) -> None:
 def _preload(args) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
-    from .cli import UsageError
+    from .cli import UsageError, run_supervisor
     from .errors import WeightCacheError
     from .naming import default_socket_dir, ensure_private_dir
-    from .supervisor import StartError, Supervisor
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -184,15 +183,7 @@ def _preload(args) -> int:
     except (OSError, WeightCacheError) as e:
         raise UsageError(f"socket directory: {e}") from None
     groups = plan_groups(args, vllm_config)
-    try:
-        sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
-                         health_port=args.weight_cache_health_port,
-                         start_timeout=args.weight_cache_start_timeout,
-                         rendezvous_timeout=args.weight_cache_rendezvous_timeout,
-                         log_level=getattr(logging, args.weight_cache_log_level))
-    except StartError as e:
-        raise UsageError(str(e)) from None
-    return sup.run()
+    return run_supervisor(groups, socket_dir, args, args.weight_cache_log_level)
 
 
 if __name__ == "__main__":
