@@ -32,34 +32,30 @@ class UsageError(Exception):
     """Bad command-line input: printed without a traceback, exit code 2."""
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 < v < 65536:
-        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
-    return v
+def _int_in(low: int, high: int | None, what: str):
+    """An argparse type: an integer in [low, high], named `what` in its errors."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if high is not None and not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"port {v} is outside {low}..{high}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
+_port = _int_in(1, 65535, "a port number")
+_positive = _int_in(1, None, "an integer")
+_non_negative = _int_in(0, None, "an integer")
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
 
 
 def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -250,8 +246,7 @@ def preload_main(argv: list[str]) -> int:
                                      epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_preload_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return _preload(args)
     except UsageError as e:

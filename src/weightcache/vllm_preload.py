@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.weight_cache_log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    from .cli import configure_logging
+
+    configure_logging(args.weight_cache_log_level)
     try:
         return _preload(args)
     except Exception as e:
