@@ -318,6 +318,12 @@ class Daemon:
                     self._counters["clients_attached"] -= 1
             conn.close()
 
+    def _count_attach(self, clients: int, attaches: int, nbytes: int) -> None:
+        with self._lock:
+            self._counters["clients_attached"] += clients
+            self._counters["attaches_served"] += attaches
+            self._counters["bytes_served"] += nbytes
+
     def _handle_hello(self, conn: socket.socket, hello: wire.Hello) -> bool | None:
         """Returns True once attached, False if the client may ask again (not ready), None if refused."""
         t0 = time.monotonic()
@@ -341,17 +347,19 @@ class Daemon:
         manifest = self.manifest
         readonly = hello.readonly or hello.mode == "copy"
         fds = [b.export_fd(readonly) for b in self._blocks]
+        served = (1, 1, manifest.nbytes)  # counted before the client can see its attach complete
+        self._count_attach(*served)
         try:
             wire.send_msg(conn, wire.Attached(key=self.key, manifest=manifest, nfds=len(fds)))
             wire.send_fds(conn, fds)
+        except BaseException:
+            self._count_attach(*(-n for n in served))
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
         elapsed = time.monotonic() - t0
         with self._lock:
-            self._counters["clients_attached"] += 1
-            self._counters["attaches_served"] += 1
-            self._counters["bytes_served"] += manifest.nbytes
             self._attach_sum += elapsed
             self._attach_count += 1
             for i, bound in enumerate(wire.ATTACH_BUCKETS):

@@ -58,6 +58,8 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum, frame):
+    # PDEATHSIG and the lifeline both send SIGTERM: a second one must not interrupt the clean-up
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated(signum)
 
 
