@@ -117,34 +117,42 @@ def _hf_blob_digest(path: Path) -> str | None:
     return None
 
 
-def file_digest(path: str | Path, cache: dict | None = None) -> str:
-    """sha256 of a file's bytes; remembered by (path, size, mtime_ns, inode) so a second call only stats."""
-    path = Path(path)
-    blob = _hf_blob_digest(path)
-    if blob:
-        return blob
-    st = os.stat(path)
-    real = os.path.realpath(path)
-    stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    own_cache = cache is None
-    if own_cache:
-        with _cache_lock:
-            cache = _load_digest_cache(digest_cache_path())
-    hit = cache.get(real)
-    if hit and hit.get("stamp") == stamp:
-        return hit["digest"]
+def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
-    digest = "sha256:" + h.hexdigest()
-    cache[real] = {"stamp": stamp, "digest": digest}
-    if own_cache:
+    return "sha256:" + h.hexdigest()
+
+
+def file_digests(paths: list[Path]) -> list[str]:
+    """sha256 of each file's bytes (HF blob names reused); remembered in the digest cache by
+    (path, size, mtime_ns, inode), so a second call only stats. The cache is read and written once."""
+    with _cache_lock:
+        cache = _load_digest_cache(digest_cache_path())
+    out, fresh = [], {}
+    for path in map(Path, paths):
+        blob = _hf_blob_digest(path)
+        if blob:
+            out.append(blob)
+            continue
+        st = os.stat(path)
+        real = os.path.realpath(path)
+        stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        hit = cache.get(real)
+        if not (hit and hit.get("stamp") == stamp):
+            hit = fresh[real] = {"stamp": stamp, "digest": _sha256_file(path)}
+        out.append(hit["digest"])
+    if fresh:
         with _cache_lock:
             merged = _load_digest_cache(digest_cache_path())
-            merged[real] = cache[real]
+            merged.update(fresh)
             _store_digest_cache(digest_cache_path(), merged)
-    return digest
+    return out
+
+
+def file_digest(path: str | Path) -> str:
+    return file_digests([Path(path)])[0]
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -164,17 +172,10 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def checkpoint_digest(path: str | Path) -> str:
     """Digest of a checkpoint's content: every weight file's bytes and the model's config."""
-    with _cache_lock:
-        cache = _load_digest_cache(digest_cache_path())
-    before = dict(cache)
+    files = checkpoint_files(path)
     h = hashlib.sha256()
-    for f in checkpoint_files(path):
-        h.update(f.name.encode() + b"\0" + file_digest(f, cache).encode() + b"\n")
-    if cache != before:
-        with _cache_lock:
-            merged = _load_digest_cache(digest_cache_path())
-            merged.update({k: v for k, v in cache.items() if before.get(k) != v})
-            _store_digest_cache(digest_cache_path(), merged)
+    for f, digest in zip(files, file_digests(files), strict=True):
+        h.update(f.name.encode() + b"\0" + digest.encode() + b"\n")
     return "sha256:" + h.hexdigest()
 
 

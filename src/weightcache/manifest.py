@@ -61,10 +61,6 @@ def _align(n: int, a: int = ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def _extent_bytes(shape, stride, itemsize: int) -> int:
     """Bytes spanned from element [0..0] to the last element (0 for empty tensors)."""
     last = 0
@@ -110,7 +106,7 @@ def plan_for_metas(metas: list[TensorMeta], block_bytes: int = DEFAULT_BLOCK_BYT
         if m.role not in ROLES:
             raise ValueError(f"{m.name}: unknown role {m.role!r}")
         dtype = parse_dtype(m.dtype)
-        sizes.append(math.prod(m.shape) * _itemsize(dtype))
+        sizes.append(math.prod(m.shape) * dtype.itemsize)
         specs.append(TensorSpec(m.name, m.dtype, list(m.shape), _contiguous_stride(m.shape), i, 0, m.role))
     storages, blocks = _pack(sizes, block_bytes)
     return Manifest(specs, storages, blocks)
@@ -228,7 +224,7 @@ def build_views(manifest: Manifest, blocks: list[torch.Tensor]) -> dict[str, tor
         if flat is None:
             dtype = parse_dtype(t.dtype)
             block = blocks[s.block]
-            usable = block.numel() - block.numel() % _itemsize(dtype)
+            usable = block.numel() - block.numel() % dtype.itemsize
             flat = typed[(s.block, t.dtype)] = block[:usable].view(dtype)
         start = s.offset + t.byte_offset
         views[t.name] = flat.as_strided(t.shape, t.stride, flat.storage_offset() + start // flat.element_size())
