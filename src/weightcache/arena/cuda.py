@@ -9,6 +9,7 @@ physical memory: mappings stay valid after the exporter exits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -81,6 +82,7 @@ def _prop(index: int):
     return prop
 
 
+@functools.cache
 def granularity(index: int) -> int:
     with device_context(index):
         flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
