@@ -85,6 +85,7 @@ class Daemon:
         self._blocks: list = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._signalled = False
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._started_at = time.time()
@@ -180,17 +181,21 @@ class Daemon:
         log.error("daemon failed: %s", message)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT stop serve_forever() cleanly (main thread only)."""
+        """SIGTERM/SIGINT stop serve_forever() cleanly (main thread only). The handler only sets a flag:
+        Event.set() takes a lock the interrupted main thread may hold inside Event.wait() (a deadlock)."""
+        def stop(*_):
+            self._signalled = True
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
+            signal.signal(sig, stop)
 
     def serve_forever(self) -> None:
         """Block until close() or, in the main thread, SIGTERM/SIGINT."""
         if threading.current_thread() is threading.main_thread():
             self.install_signal_handlers()
         try:
-            while not self._stop.wait(0.5):
-                pass
+            while not (self._stop.is_set() or self._signalled):
+                time.sleep(0.1)
         finally:
             self.close()
 
