@@ -478,6 +478,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="wcr", dir="/tmp") as work:
         for m in models:
             info, rows = bench_model(m, a, Path(work))
+            info.update(command=meta["command"], date=meta["date"])
             result["models"][m] = info
             result["rows"] += rows
             out.parent.mkdir(parents=True, exist_ok=True)
