@@ -13,6 +13,7 @@ target device, as ``from_pretrained`` does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import json
@@ -179,13 +180,25 @@ def _hf_major() -> int:
         return 5
 
 
+def _skip_init():
+    """transformers' own switch that turns torch's init functions and ``init_weights`` into no-ops, as its
+    loaders do (transformers >= 5); elsewhere a no-op context."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _build_meta_model(config, dtype: torch.dtype, model_kwargs: dict):
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(model_kwargs)
     kwargs["dtype" if _hf_major() >= 5 else "torch_dtype"] = dtype
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        with _skip_init():  # random init of meta tensors is wasted work (decomposed uniform_ per Linear)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.init_weights()  # on meta this only ties weights, as post_init would have
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     if plan:  # keep-in-fp32 modules: transformers loads them in their own dtype
         pattern = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in plan))
