@@ -304,6 +304,7 @@ def test_missing_daemon_is_a_clear_error(sockdir):
 class SlowSource:
     def __init__(self):
         self.release = threading.Event()
+        self.halfway = threading.Event()
 
     def describe(self):
         from weightcache.manifest import TensorMeta
@@ -313,6 +314,7 @@ class SlowSource:
     def fill(self, views, progress):
         views["w"][:512] = 1.0
         progress(2048)
+        self.halfway.set()
         self.release.wait(30)
         views["w"][512:] = 2.0
         progress(2048)
@@ -330,6 +332,7 @@ def test_attach_waits_while_loading_then_gets_weights(sockdir):
     try:
         with pytest.raises(wc.DaemonNotReady, match="loading"):
             wc.attach(_sock(sockdir), wait=0.0)
+        assert src.halfway.wait(10)
         st = wc.query_status(_sock(sockdir))
         assert st.state == "loading" and st.done == 2048 and st.total == 4096
         threading.Timer(0.3, src.release.set).start()

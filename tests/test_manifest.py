@@ -87,3 +87,51 @@ def test_meta_and_sparse_tensors_are_refused():
         plan_for_tensors({"s": torch.eye(3).to_sparse()})
     with pytest.raises(ValueError, match="duplicate"):
         plan_for_metas([TensorMeta("a", "float32", [1]), TensorMeta("a", "float32", [1])])
+
+
+def _views_one_by_one(manifest, blocks):
+    """The plain reference: one as_strided per tensor."""
+    out = {}
+    for t in manifest.tensors:
+        s = manifest.storages[t.storage]
+        dtype = getattr(torch, t.dtype)
+        block = blocks[s.block]
+        flat = block[:block.numel() - block.numel() % dtype.itemsize].view(dtype)
+        out[t.name] = flat.as_strided(t.shape, t.stride, (s.offset + t.byte_offset) // dtype.itemsize)
+    return out
+
+
+def test_grouped_views_match_one_view_per_tensor():
+    layers = {}
+    for i in range(6):  # repeated layers: evenly spaced tensors of one form
+        layers[f"l{i}.w"] = torch.randn(8, 16)
+        layers[f"l{i}.b"] = torch.randn(16, dtype=torch.bfloat16)
+        layers[f"l{i}.wt"] = torch.randn(16, 8).t()  # non-contiguous
+    layers["l3.extra"] = torch.randn(8, 16)  # breaks the spacing of l*.w
+    layers["empty"] = torch.empty(0, 16)
+    layers["empty2"] = torch.empty(0, 16)
+    base = torch.randn(64)
+    layers["alias_a"] = base[:32].view(4, 8)  # same storage and form, offsets 0 and 0 (an alias), then 32
+    layers["alias_b"] = base[:32].view(4, 8)
+    layers["alias_c"] = base[32:].view(4, 8)
+    manifest, views = pack(layers, block_bytes=4096)
+    blocks = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in manifest.blocks]
+    grouped, plain = build_views(manifest, blocks), _views_one_by_one(manifest, blocks)
+    assert list(grouped) == [t.name for t in manifest.tensors]
+    for name, ref in plain.items():
+        got = grouped[name]
+        assert (got.dtype, got.shape, got.stride(), got.data_ptr()) == (ref.dtype, ref.shape, ref.stride(),
+                                                                         ref.data_ptr()), name
+    for name, t in layers.items():
+        assert torch.equal(bits(views[name]), bits(t)), name
+    assert views["alias_a"].data_ptr() == views["alias_b"].data_ptr()
+
+
+def test_repeated_forms_are_still_bounds_checked_one_by_one():
+    spec = [TensorSpec("a", "float32", [4], [1], 0, 0), TensorSpec("b", "float32", [4], [1], 1, 8)]
+    bad = Manifest(spec, [StorageSpec(0, 0, 16), StorageSpec(0, 256, 16)], [BlockSpec(512)])
+    with pytest.raises(ValueError, match="b: extends past"):
+        validate(bad)
+    with pytest.raises(ValueError, match="bad shape"):
+        validate(Manifest([TensorSpec("a", "float32", [-4], [1], 0, 0)], [StorageSpec(0, 0, 16)],
+                          [BlockSpec(256)]))

@@ -4,6 +4,7 @@ serving the next good client."""
 import os
 import socket
 import struct
+import threading
 
 import msgspec
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 import weightcache as wc
 from weightcache import wire
 from weightcache.key import CacheKey
+from weightcache.manifest import BlockSpec, Manifest, StorageSpec, TensorSpec
 
 KEY = CacheKey(model="m", content_digest="d")
 
@@ -171,3 +173,74 @@ def test_fuzz_wellformed_msgpack_of_wrong_shape(served, obj):
 
 def test_after_fuzzing_a_good_client_still_attaches(served):
     _still_serves(served[0])
+
+
+def _hostile_daemon(path: str, attached_body: bytes, nfds: int):
+    """Answers one Hello with a hand-made Attached frame and `nfds` fds of a small memfd."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve():
+        fd = os.memfd_create("wc-hostile")
+        try:
+            os.ftruncate(fd, 4096)
+            conn, _ = listener.accept()
+            with conn:
+                wire.recv_msg(conn)
+                conn.sendall(struct.pack(">I", len(attached_body)) + attached_body)
+                wire.send_fds(conn, [fd] * nfds)
+                conn.recv(1)  # until the client hangs up
+        except OSError:
+            pass  # the client hung up first
+        finally:
+            os.close(fd)
+            listener.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def _attached_raw(tensor_fields=None, nfds=1) -> list:
+    """An Attached message as plain msgpack data, to be bent out of shape."""
+    manifest = Manifest([TensorSpec("w", "float32", [4], [1], 0, 0)], [StorageSpec(0, 0, 16)], [BlockSpec(4096)])
+    raw = msgspec.msgpack.decode(wire.encode(wire.Attached(key=KEY, manifest=manifest, nfds=nfds))[4:])
+    for i, v in (tensor_fields or {}).items():
+        raw["manifest"]["tensors"][0][i] = v
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("fields", "nfds", "match"),
+    [
+        ({3: [-1]}, 1, "malformed"),  # a negative stride
+        ({2: [4] * 65, 3: [1] * 65}, 1, "malformed"),  # absurd rank
+        ({5: 4096}, 1, "bad manifest"),  # byte offset past its storage
+        ({}, 2, "2 block handles for 1 blocks"),
+    ],
+    ids=["negative-stride", "rank-65", "past-storage", "extra-fds"],
+)
+def test_client_refuses_a_hostile_manifest_and_keeps_no_fd(sockdir, fields, nfds, match):
+    path = os.path.join(sockdir, "hostile.sock")
+    body = msgspec.msgpack.encode(_attached_raw(fields, nfds))
+    before = set(os.listdir("/proc/self/fd"))
+    t = _hostile_daemon(path, body, nfds)
+    with pytest.raises(wc.ProtocolError, match=match):
+        wc.attach(path, expect=KEY)
+    t.join(5)
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_attach_leaves_the_garbage_collector_as_it_found_it(served):
+    path, _ = served
+    import gc
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            with wc.attach(path, expect=KEY) as att:
+                assert torch.equal(att["w"], torch.arange(8.0))
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import socket
@@ -180,6 +182,19 @@ def _device_for(manifest: Manifest) -> torch.device:
     raise ProtocolError(f"unknown arena device {manifest.device!r}")
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Thousands of short-lived objects are made while attaching; a collection of an engine's large heap
+    in the middle would cost more than the whole attach. The collector resumes afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _copy_blocks(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     out = [torch.empty_like(b) for b in blocks]
     for dst, src in zip(out, blocks, strict=True):
@@ -187,6 +202,34 @@ def _copy_blocks(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     if blocks and blocks[0].is_cuda:
         torch.cuda.synchronize(blocks[0].device)
     return out
+
+
+def _take(sock, reply: wire.Attached, expect, path: str, mode: str, readonly: bool):
+    """After an Attached reply: receive the block fds, check the key and manifest, import, build views."""
+    fds = wire.recv_fds(sock, reply.nfds)
+    t_manifest = time.perf_counter()
+    manifest = reply.manifest
+    try:
+        if expect is not None:
+            check(expect, reply.key, path)
+        try:
+            validate(manifest)
+        except ValueError as e:
+            raise ProtocolError(f"{path}: the daemon sent a bad manifest: {e}") from None
+        if len(fds) != len(manifest.blocks):
+            raise ProtocolError(f"{path}: got {len(fds)} block handles for {len(manifest.blocks)} blocks")
+        device = _device_for(manifest)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    t_import = time.perf_counter()
+    blocks = import_blocks(fds, [b.nbytes for b in manifest.blocks], device, readonly or mode == "copy")
+    if mode == "copy":
+        blocks = _copy_blocks(blocks)
+    t_views = time.perf_counter()
+    tensors = build_views(manifest, blocks)
+    return manifest, device, tensors, (t_manifest, t_import, t_views, time.perf_counter())
 
 
 def attach(
@@ -211,9 +254,11 @@ def attach(
     sock = _connect(path, timeout)
     try:
         while True:
-            reply = _request(sock, hello, path, timeout)
-            if isinstance(reply, wire.Attached):
-                break
+            with _collector_paused():
+                reply = _request(sock, hello, path, timeout)
+                if isinstance(reply, wire.Attached):
+                    manifest, device, tensors, marks = _take(sock, reply, expect, path, mode, readonly)
+                    break
             if not isinstance(reply, wire.NotReady):
                 raise ProtocolError(f"{path}: unexpected reply {type(reply).__name__}")
             if time.monotonic() >= deadline:
@@ -223,27 +268,6 @@ def attach(
                 log.info("waiting for the weight cache at %s to load (%s)", path, pct)
                 last_log = time.monotonic()
             time.sleep(0.1)
-        fds = wire.recv_fds(sock, reply.nfds)
-        t_manifest = time.perf_counter()
-        manifest = reply.manifest
-        try:
-            if expect is not None:
-                check(expect, reply.key, path)
-            validate(manifest)
-            if len(fds) != len(manifest.blocks):
-                raise ProtocolError(f"{path}: got {len(fds)} block handles for {len(manifest.blocks)} blocks")
-            device = _device_for(manifest)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        t_import = time.perf_counter()
-        blocks = import_blocks(fds, [b.nbytes for b in manifest.blocks], device, readonly or mode == "copy")
-        if mode == "copy":
-            blocks = _copy_blocks(blocks)
-        t_views = time.perf_counter()
-        tensors = build_views(manifest, blocks)
-        t_end = time.perf_counter()
     except BaseException:
         sock.close()
         raise
@@ -251,6 +275,7 @@ def attach(
     if mode == "copy":
         sock.close()  # private memory: nothing left to hold on the daemon's side
         sock = None
+    t_manifest, t_import, t_views, t_end = marks
     timings = {"handshake": t_manifest - t0, "validate": t_import - t_manifest, "import": t_views - t_import,
                "views": t_end - t_views, "total": t_end - t0}
     return Attachment(sock, reply.key, manifest, tensors, device, mode, timings)

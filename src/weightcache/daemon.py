@@ -82,6 +82,7 @@ class Daemon:
         self.state = "starting"
         self.message = ""
         self.manifest: Manifest | None = None
+        self._attached: tuple[Manifest, bytes] | None = None
         self._blocks: list = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -329,6 +330,14 @@ class Daemon:
             self._counters["attaches_served"] += attaches
             self._counters["bytes_served"] += nbytes
 
+    def _attached_frame(self, nfds: int) -> bytes:
+        """The encoded Attached reply: key and manifest are fixed once ready, so it is encoded once."""
+        frame = self._attached
+        if frame is None or frame[0] is not self.manifest:
+            frame = self._attached = (self.manifest, wire.encode(
+                wire.Attached(key=self.key, manifest=self.manifest, nfds=nfds)))
+        return frame[1]
+
     def _handle_hello(self, conn: socket.socket, hello: wire.Hello) -> bool | None:
         """Returns True once attached, False if the client may ask again (not ready), None if refused."""
         t0 = time.monotonic()
@@ -355,7 +364,7 @@ class Daemon:
         served = (1, 1, manifest.nbytes)  # counted before the client can see its attach complete
         self._count_attach(*served)
         try:
-            wire.send_msg(conn, wire.Attached(key=self.key, manifest=manifest, nfds=len(fds)))
+            wire.send_frame(conn, self._attached_frame(len(fds)))
             wire.send_fds(conn, fds)
         except BaseException:
             self._count_attach(*(-n for n in served))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Annotated
 
 import msgspec
 import torch
@@ -22,24 +23,30 @@ class TensorMeta(msgspec.Struct, frozen=True):
     role: str = "parameter"
 
 
-class TensorSpec(msgspec.Struct, frozen=True):
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Dims = Annotated[list[NonNegative], msgspec.Meta(max_length=64)]
+
+
+# Specs travel as msgpack arrays (compact, fast to decode) and hold no cycles (gc=False: nothing for the
+# collector to track when a client decodes thousands of them). Decoding already refuses negative numbers.
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
     name: str
     dtype: str
-    shape: list[int]
-    stride: list[int]
-    storage: int
-    byte_offset: int  # of element [0, ..., 0] from the start of its storage span
+    shape: Dims
+    stride: Dims
+    storage: NonNegative
+    byte_offset: NonNegative  # of element [0, ..., 0] from the start of its storage span
     role: str = "parameter"
 
 
-class StorageSpec(msgspec.Struct, frozen=True):
-    block: int
-    offset: int
-    nbytes: int
+class StorageSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    block: NonNegative
+    offset: NonNegative
+    nbytes: NonNegative
 
 
-class BlockSpec(msgspec.Struct):
-    nbytes: int
+class BlockSpec(msgspec.Struct, array_like=True, gc=False):
+    nbytes: NonNegative
 
 
 class Manifest(msgspec.Struct):
@@ -191,41 +198,78 @@ def validate(manifest: Manifest) -> None:
             raise ValueError(f"storage {i}: block {s.block} does not exist")
         if s.offset < 0 or s.nbytes < 0 or s.offset + s.nbytes > blocks[s.block].nbytes:
             raise ValueError(f"storage {i}: bytes [{s.offset}, {s.offset + s.nbytes}) outside its block")
-    itemsizes: dict[str, int] = {}
+    extents: dict[tuple, tuple[int, int]] = {}  # (dtype, shape, stride) -> (itemsize, extent): layers repeat
     names = set()
     nstorages = len(storages)
     for t in manifest.tensors:
-        item = itemsizes.get(t.dtype)
-        if item is None:
-            item = itemsizes[t.dtype] = parse_dtype(t.dtype).itemsize
+        form = (t.dtype, *t.shape, None, *t.stride)
+        known = extents.get(form)
+        if known is None:
+            shape, stride = t.shape, t.stride
+            if len(shape) != len(stride) or (shape and (min(shape) < 0 or min(stride) < 0)):
+                raise ValueError(f"{t.name}: bad shape/stride {shape}/{stride}")
+            item = parse_dtype(t.dtype).itemsize
+            known = extents[form] = (item, _extent_bytes(shape, stride, item))
+        item, extent = known
         if not 0 <= t.storage < nstorages:
             raise ValueError(f"{t.name}: storage {t.storage} does not exist")
-        shape, stride = t.shape, t.stride
-        if len(shape) != len(stride) or (shape and (min(shape) < 0 or min(stride) < 0)):
-            raise ValueError(f"{t.name}: bad shape/stride {shape}/{stride}")
         if t.byte_offset < 0 or t.byte_offset % item:
             raise ValueError(f"{t.name}: misaligned byte offset {t.byte_offset}")
-        if t.byte_offset + _extent_bytes(shape, stride, item) > storages[t.storage].nbytes:
+        if t.byte_offset + extent > storages[t.storage].nbytes:
             raise ValueError(f"{t.name}: extends past its storage")
-        if t.name in names:
-            raise ValueError(f"duplicate tensor name {t.name!r}")
         names.add(t.name)
+    if len(names) != len(manifest.tensors):
+        _check_unique([t.name for t in manifest.tensors])
 
 
 def build_views(manifest: Manifest, blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One typed view per tensor over 1-D uint8 block tensors; tensors sharing a storage share bytes."""
+    """One typed view per tensor over 1-D uint8 block tensors; tensors sharing a storage share bytes.
+
+    Tensors of one form (block, dtype, shape, stride) at evenly spaced offsets, such as the same weight of
+    every layer, are made by one strided view and one unbind: a C++ loop instead of a Python call each."""
     if len(blocks) != len(manifest.blocks):
         raise ValueError(f"manifest has {len(manifest.blocks)} blocks, got {len(blocks)}")
-    views = {}
-    typed: dict[tuple[int, str], torch.Tensor] = {}  # one typed alias per (block, dtype): one op per view
+    typed: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}  # (block, dtype) -> alias, offset, item
+    forms: dict[tuple, list[tuple[int, str]]] = {}
+    storages = manifest.storages
     for t in manifest.tensors:
-        s = manifest.storages[t.storage]
-        flat = typed.get((s.block, t.dtype))
-        if flat is None:
+        s = storages[t.storage]
+        alias = typed.get((s.block, t.dtype))
+        if alias is None:
             dtype = parse_dtype(t.dtype)
             block = blocks[s.block]
-            usable = block.numel() - block.numel() % dtype.itemsize
-            flat = typed[(s.block, t.dtype)] = block[:usable].view(dtype)
-        start = s.offset + t.byte_offset
-        views[t.name] = flat.as_strided(t.shape, t.stride, flat.storage_offset() + start // flat.element_size())
-    return views
+            flat = block[:block.numel() - block.numel() % dtype.itemsize].view(dtype)
+            alias = typed[(s.block, t.dtype)] = (flat, flat.storage_offset(), dtype.itemsize)
+        start = alias[1] + (s.offset + t.byte_offset) // alias[2]
+        forms.setdefault((s.block, t.dtype, *t.shape, None, *t.stride), []).append((start, t.name))
+    made: dict[str, torch.Tensor] = {}
+    for form, members in forms.items():
+        flat = typed[(form[0], form[1])][0]
+        cut = form.index(None)
+        shape, stride = list(form[2:cut]), list(form[cut + 1:])
+        members.sort()
+        for run in _even_runs(members):
+            first = run[0][0]
+            if len(run) == 1:
+                made[run[0][1]] = flat.as_strided(shape, stride, first)
+                continue
+            gap = run[1][0] - first
+            stacked = flat.as_strided([len(run), *shape], [gap, *stride], first).unbind(0)
+            for (_, name), view in zip(run, stacked, strict=True):
+                made[name] = view
+    return {t.name: made[t.name] for t in manifest.tensors}
+
+
+def _even_runs(members: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """Split (offset, name) pairs sorted by offset into maximal runs of equal spacing."""
+    runs, i, n = [], 0, len(members)
+    while i < n:
+        j = i + 1
+        if j < n:
+            gap = members[j][0] - members[i][0]
+            while j + 1 < n and members[j + 1][0] - members[j][0] == gap:
+                j += 1
+            j += 1
+        runs.append(members[i:j])
+        i = j
+    return runs

@@ -18,7 +18,7 @@ from .errors import DaemonUnavailable, ProtocolError
 from .key import CacheKey, FieldDiff
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: manifest specs travel as arrays
 MAX_FRAME = 64 << 20
 FD_BATCH = 250  # below the kernel's SCM_MAX_FD (253)
 FD_MARKER = b"F"
@@ -130,6 +130,11 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
 
 def send_msg(sock: socket.socket, msg) -> None:
     sock.sendall(encode(msg))
+
+
+def send_frame(sock: socket.socket, frame: bytes) -> None:
+    """Send a frame made once by encode() (a daemon's Attached reply is the same for every client)."""
+    sock.sendall(frame)
 
 
 def recv_msg(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None = None):
