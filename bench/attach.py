@@ -315,12 +315,6 @@ def main(argv=None) -> int:
             (Path(d) for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)),
             key=lambda d: shutil.disk_usage(d).free,
         )
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="wcb", dir="/tmp") as work:
-        for gb in sizes:
-            print(f"size {gb} GB", flush=True)
-            rows += bench_size(gb, a.runs, a.device, Path(work), st_dir, a.methods, a.block_gb)
-    print_table(rows)
     meta = {
         "host": socket.gethostname(), "device": a.device, "torch": torch.__version__, "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor(), "runs": a.runs,
@@ -329,7 +323,13 @@ def main(argv=None) -> int:
     }
     out = Path(a.out or Path(__file__).parent / "results" / f"attach-{a.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="wcb", dir="/tmp") as work:
+        for gb in sizes:
+            print(f"size {gb} GB", flush=True)
+            rows += bench_size(gb, a.runs, a.device, Path(work), st_dir, a.methods, a.block_gb)
+            out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # a cut-short run keeps its sizes
+    print_table(rows)
     print(f"wrote {out}")
     return 0
 

@@ -203,7 +203,7 @@ def resolve_ports(args, nodes: int, has_draft: bool) -> tuple[int, int]:
     return main, draft
 
 
-def checkpoint_source(placement, *, path: str, dtype: str = "auto", tp_plan=None, threads: int = 8):
+def checkpoint_source(placement, *, path: str, dtype: str = "auto", tp_plan=None, threads: int | None = None):
     """The checkpoint source, built in each daemon process for its placement. dtype "auto" keeps the
     files' dtypes."""
     from .key import parse_dtype

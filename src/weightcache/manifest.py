@@ -12,7 +12,7 @@ import torch
 from .key import dtype_name, parse_dtype
 
 ALIGNMENT = 256
-DEFAULT_BLOCK_BYTES = 4 << 30
+DEFAULT_BLOCK_BYTES = 16 << 30  # fewer handles to import: 64 GB attached 11.8 vs 13.0 ms with 4 GiB
 ROLES = ("parameter", "buffer", "nonpersistent_buffer", "attribute")
 
 

@@ -31,7 +31,8 @@ from .tp_plan import ShardSpec, TPPlan, TPPlanError, resolve_plan
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100 << 20
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20  # per staging buffer, two per thread
+DEFAULT_THREADS = 16
 INDEX_NAME = "model.safetensors.index.json"
 
 _ST_DTYPES = {
@@ -227,7 +228,7 @@ class SafetensorsSource:
         tp_size: int = 1,
         tp_plan: Mapping[str, str] | TPPlan | str | None = None,
         device: str | torch.device = "cpu",
-        threads: int = 8,
+        threads: int | None = None,
         progress: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io: str = "auto",
@@ -239,6 +240,8 @@ class SafetensorsSource:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if threads is None:
+            threads = min(DEFAULT_THREADS, os.cpu_count() or 1)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_bytes < 4096:
