@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.metadata
 import json
 import logging
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from ..client import attach, find_socket
 from ..errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, PermissionDenied, WeightCacheError
 from ..key import CacheKey, checkpoint_digest, config_digest, dtype_name, parse_dtype
+from ..naming import default_socket_dir, device_tag, socket_path
 from .torch import BindError, bind
 
 log = logging.getLogger("weightcache.engines.transformers")
@@ -104,6 +107,7 @@ def snapshot_revision(model_dir: str | Path) -> str:
     return p.name if p.parent.name == "snapshots" and _SNAPSHOT.match(p.name) else ""
 
 
+@functools.cache
 def engine_version() -> str:
     try:
         return importlib.metadata.version("transformers")
@@ -326,9 +330,6 @@ def from_pretrained(
     disk_kwargs = {**hf_kwargs, **model_kwargs}
     if revision is not None:
         disk_kwargs["revision"] = revision
-
-    from ..client import attach, find_socket
-    from ..naming import default_socket_dir, device_tag, socket_path
 
     sdir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
     key = key_for_checkpoint(model_dir, dtype=torch_dtype, layout=layout, rank=rank, role=role, revision=revision)
