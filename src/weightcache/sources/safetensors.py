@@ -324,7 +324,7 @@ class SafetensorsSource:
         def worker() -> None:
             try:
                 if cuda:
-                    self._cuda_worker(views, fds, next_job, report)
+                    self._cuda_worker(views, fds, next_job, report, stage_bytes)
                 else:
                     self._cpu_worker(views, fds, next_job, report)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
@@ -332,6 +332,7 @@ class SafetensorsSource:
                 stop.set()
 
         nthreads = max(1, min(self.threads, len(jobs)))
+        stage_bytes = min(self.chunk_bytes, max((j.nbytes for j in jobs), default=1))  # small models: small buffers
         try:
             threads = [threading.Thread(target=worker, name=f"wc-fill-{i}", daemon=True) for i in range(nthreads)]
             for t in threads:
@@ -482,11 +483,11 @@ class SafetensorsSource:
                 self._dst_rows(dst, job).copy_(src)
             report(job.nbytes)
 
-    def _cuda_worker(self, views, fds, next_job, report) -> None:
+    def _cuda_worker(self, views, fds, next_job, report, stage_bytes: int) -> None:
         device = next(v.device for v in views.values() if v.device.type == "cuda")
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device=device)
-            bufs = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            bufs = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             events = [torch.cuda.Event() for _ in range(2)]
             pending = [0, 0]
             k = 0
@@ -495,7 +496,7 @@ class SafetensorsSource:
                     events[k].synchronize()  # the H2D that last used this buffer is done
                     if pending[k]:
                         report(pending[k])
-                    buf = bufs[k] if job.nbytes <= self.chunk_bytes else torch.empty(
+                    buf = bufs[k] if job.nbytes <= stage_bytes else torch.empty(
                         job.nbytes, dtype=torch.uint8, pin_memory=True
                     )
                     dst = views[job.name]
