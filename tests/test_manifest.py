@@ -72,8 +72,9 @@ def test_offsets_are_aligned():
         Manifest([TensorSpec("a", "float32", [4], [1], 0, 0)], [StorageSpec(0, 250, 16)], [BlockSpec(256)]),
         Manifest([TensorSpec("a", "float32", [4], [1], 0, 2)], [StorageSpec(0, 0, 32)], [BlockSpec(256)]),
         Manifest([TensorSpec("a", "float32", [2], [1], 0, 0)] * 2, [StorageSpec(0, 0, 16)], [BlockSpec(256)]),
+        Manifest([TensorSpec("a", "float32", [2], [1], 0, 0)], [StorageSpec(0, 2, 16)], [BlockSpec(256)]),
     ],
-    ids=["past-storage", "no-storage", "past-block", "misaligned", "duplicate"],
+    ids=["past-storage", "no-storage", "past-block", "misaligned", "duplicate", "misaligned-storage"],
 )
 def test_validate_refuses_wild_specs(bad):
     with pytest.raises(ValueError):

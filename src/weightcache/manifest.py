@@ -213,7 +213,7 @@ def validate(manifest: Manifest) -> None:
         item, extent = known
         if not 0 <= t.storage < nstorages:
             raise ValueError(f"{t.name}: storage {t.storage} does not exist")
-        if t.byte_offset < 0 or t.byte_offset % item:
+        if t.byte_offset < 0 or (storages[t.storage].offset + t.byte_offset) % item:
             raise ValueError(f"{t.name}: misaligned byte offset {t.byte_offset}")
         if t.byte_offset + extent > storages[t.storage].nbytes:
             raise ValueError(f"{t.name}: extends past its storage")
