@@ -82,7 +82,7 @@ class Daemon:
         self.state = "starting"
         self.message = ""
         self.manifest: Manifest | None = None
-        self._attached: tuple[Manifest, bytes] | None = None
+        self._attached_frame = b""  # the encoded Attached reply, the same for every client once ready
         self._blocks: list = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -142,6 +142,7 @@ class Daemon:
         for b in self._blocks:
             b.seal()
         self.manifest = manifest
+        self._attached_frame = wire.encode(wire.Attached(key=self.key, manifest=manifest, nfds=len(self._blocks)))
         self._load_seconds = time.monotonic() - t0
         self.state = "ready"
         log.info(
@@ -330,14 +331,6 @@ class Daemon:
             self._counters["attaches_served"] += attaches
             self._counters["bytes_served"] += nbytes
 
-    def _attached_frame(self, nfds: int) -> bytes:
-        """The encoded Attached reply: key and manifest are fixed once ready, so it is encoded once."""
-        frame = self._attached
-        if frame is None or frame[0] is not self.manifest:
-            frame = self._attached = (self.manifest, wire.encode(
-                wire.Attached(key=self.key, manifest=self.manifest, nfds=nfds)))
-        return frame[1]
-
     def _handle_hello(self, conn: socket.socket, hello: wire.Hello) -> bool | None:
         """Returns True once attached, False if the client may ask again (not ready), None if refused."""
         t0 = time.monotonic()
@@ -364,7 +357,7 @@ class Daemon:
         served = (1, 1, manifest.nbytes)  # counted before the client can see its attach complete
         self._count_attach(*served)
         try:
-            wire.send_frame(conn, self._attached_frame(len(fds)))
+            wire.send_frame(conn, self._attached_frame)
             wire.send_fds(conn, fds)
         except BaseException:
             self._count_attach(*(-n for n in served))
