@@ -24,6 +24,7 @@ from .manifest import (
     build_views,
     plan_for_metas,
     plan_for_tensors,
+    release_storage,
     storage_bytes,
 )
 from .naming import ensure_private_dir
@@ -97,10 +98,13 @@ class Daemon:
         self._attach_count = 0
         self._attach_buckets = [0] * len(wire.ATTACH_BUCKETS)
         self._gpu_uuid = ""
+        self._peak_device_bytes = self._baseline_device_bytes = 0
         if self.device.type == "cuda":
             from .arena.cuda import gpu_uuid
 
             self._gpu_uuid = gpu_uuid(self.device.index)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._baseline_device_bytes = total - free
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -116,6 +120,8 @@ class Daemon:
         self._listener = listener
         self.state = "loading"
         threading.Thread(target=self._accept_loop, name="weightcache-accept", daemon=True).start()
+        if self.device.type == "cuda":
+            threading.Thread(target=self._watch_peak, name="weightcache-peak", daemon=True).start()
         log.info("daemon for %s rank %d listening on %s", self.key.model, self.key.rank, self.socket_path)
 
     def _progress(self, nbytes: int) -> None:
@@ -163,20 +169,75 @@ class Daemon:
             self.fail(f"{type(e).__name__}: {e}")
             raise
 
-    def load_tensors(self, tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str] | None = None) -> None:
-        """Pack existing tensors (storage sharing, strides and offsets kept)."""
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str] | None = None, *,
+                     consume: bool = False) -> None:
+        """Pack existing tensors (storage sharing, strides and offsets kept).
+
+        With ``consume``, the tensors are the engine's freshly built weights and are consumed: blocks are
+        allocated one at a time, each filled from the source storages and then those storages are freed
+        (resized to 0 bytes, whoever else still refers to them), so the peak stays near 1x the weights plus
+        one block (``capture_block_bytes``)."""
         t0 = time.monotonic()
         try:
-            manifest, spans = plan_for_tensors(tensors, roles, self.block_bytes)
+            manifest, spans = plan_for_tensors(tensors, roles, self.block_bytes, consume=consume)
             self._total = sum(end - start for _, start, end in spans)
-            blocks = self._allocate(manifest)
-            for spec, (t, start, end) in zip(manifest.storages, spans, strict=True):
-                blocks[spec.block][spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
-                self._progress(end - start)
+            if not consume:
+                blocks = self._allocate(manifest)
+                for spec, (t, start, end) in zip(manifest.storages, spans, strict=True):
+                    blocks[spec.block][spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
+                    self._progress(end - start)
+            else:
+                self._capture(manifest, spans)
             self._finish(manifest, t0)
         except BaseException as e:
             self.fail(f"{type(e).__name__}: {e}")
             raise
+
+    def _capture(self, manifest: Manifest, spans) -> None:
+        """Fill block after block, freeing each source storage once its bytes are in the arena."""
+        by_block: list[list[int]] = [[] for _ in manifest.blocks]
+        for i, spec in enumerate(manifest.storages):
+            by_block[spec.block].append(i)
+        kept = 0
+        try:
+            for bi, members in enumerate(by_block):
+                block = allocate_block(manifest.blocks[bi].nbytes, self.device)
+                self._blocks.append(block)
+                self._sample_peak()
+                for i in members:
+                    spec, (t, start, end) = manifest.storages[i], spans[i]
+                    block.tensor[spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
+                    self._progress(end - start)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                for i in members:
+                    kept += release_storage(spans[i][0])
+                    spans[i] = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # hand the freed memory back to the driver for the next block
+        except BaseException:
+            for b in self._blocks:
+                b.close()
+            self._blocks = []
+            raise
+        for spec, b in zip(manifest.blocks, self._blocks, strict=True):
+            spec.nbytes = b.nbytes
+        manifest.device = self.device.type
+        manifest.gpu_uuid = self._gpu_uuid
+        if kept:
+            log.info("%.1f MiB of source storage could not be released early (not resizable)", kept / 2**20)
+
+    def _sample_peak(self) -> None:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._peak_device_bytes = max(self._peak_device_bytes, total - free - self._baseline_device_bytes)
+
+    def _watch_peak(self) -> None:
+        """Device memory in use above the daemon's start, sampled while it loads (CUDA)."""
+        while self.state in ("starting", "loading") and not self._stop.is_set():
+            self._sample_peak()
+            time.sleep(0.01)
+        self._sample_peak()
 
     def fail(self, message: str) -> None:
         self.state, self.message = "failed", message
@@ -245,6 +306,7 @@ class Daemon:
                 device=str(self.device), gpu_uuid=self._gpu_uuid, pid=os.getpid(),
                 nbytes=m.nbytes if m else 0, ntensors=len(m.tensors) if m else 0, nblocks=len(m.blocks) if m else 0,
                 started_at=self._started_at, load_seconds=self._load_seconds,
+                peak_device_bytes=self._peak_device_bytes,
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
                 attach_seconds_buckets=cumulative, info=self.info, **self._counters,
             )

@@ -160,11 +160,16 @@ def plan_for_tensors(
     tensors: Mapping[str, torch.Tensor],
     roles: Mapping[str, str] | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    *,
+    consume: bool = False,
 ) -> tuple[Manifest, list[tuple[torch.Tensor, int, int]]]:
     """Pack existing tensors; tensors sharing storage share bytes. Returns the manifest and, per storage,
-    (member tensor, span start, span end) for copying the bytes in."""
+    (member tensor, span start, span end) for copying the bytes in. ``consume``: the sources are freed
+    block by block while packing, so blocks are sized by ``capture_block_bytes``."""
     roles = roles or {}
     groups = storage_groups(tensors)
+    if consume:
+        block_bytes = capture_block_bytes(sum(end - start for _, start, end, _ in groups), block_bytes)
     storages, blocks = _pack([end - start for _, start, end, _ in groups], block_bytes)
     index = {}
     for gi, (_, start, _, names) in enumerate(groups):
@@ -181,6 +186,24 @@ def plan_for_tensors(
             t.storage_offset() * t.element_size() - span_start, role,
         ))
     return Manifest(specs, storages, blocks), [(g[0], g[1], g[2]) for g in groups]
+
+
+def capture_block_bytes(total: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
+    """Block size when packing consumes its sources (``Daemon.load_tensors(release=True)``): about a
+    sixteenth of the weights, so one block in flight adds at most ~6% to the peak, between 256 MiB and
+    ``block_bytes``."""
+    return max(min(block_bytes, _align(-(-total // 16), 2 << 20)), min(block_bytes, 256 << 20))
+
+
+def release_storage(t: torch.Tensor) -> int:
+    """Free a tensor's storage now (every view of it becomes empty); returns the bytes that could not be
+    freed (a storage torch cannot resize, e.g. one over memory it does not own)."""
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    if not storage.resizable():
+        return n
+    storage.resize_(0)
+    return 0
 
 
 def storage_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
