@@ -8,126 +8,52 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from weightcache.checkpoints import make_llama_checkpoint  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    RUNNER,
+    Preload,
+    cleanup,
+    new_work,
+    ok,
+    openai_server_survives_daemon_kill,
+    result_of,
+    run_engine,
+    sockdir,
+    tail,
+    weight_files_opened,
+)
+from weightcache.checkpoints import make_llama_checkpoint, make_moe_checkpoint  # noqa: E402
 from weightcache.client import query_status  # noqa: E402
 from weightcache.engines.vllm_loader import parity  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-HERE = Path(__file__).parent
-RUNNER = str(HERE / "vllm_runner.py")
 # head_dim 64: vLLM's CPU attention has no kernel for smaller heads.
 SHAPE = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2, vocab_size=512,
              dtype=torch.bfloat16)
-VLLM_FLAGS = ["--dtype", "bfloat16", "--max-model-len", "128"]
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
-    tiny = make_llama_checkpoint(root / "tiny", seed=0, **SHAPE)
-    tiny2 = make_llama_checkpoint(root / "tiny2", seed=1, **SHAPE)
-    env = dict(os.environ)
-    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", XDG_CACHE_HOME=str(root / "cache"), PYTHONUNBUFFERED="1")
-    w = {"root": root, "tiny": str(tiny), "tiny2": str(tiny2), "env": env, "results": {}, "dirs": []}
+    w = new_work(root, tiny=str(make_llama_checkpoint(root / "tiny", seed=0, **SHAPE)),
+                 tiny2=str(make_llama_checkpoint(root / "tiny2", seed=1, **SHAPE)))
     yield w
-    for d in w["dirs"]:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _sockdir(work, name: str) -> str:
-    # Unix socket paths are short: keep the directory out of pytest's long tmp paths.
-    d = tempfile.mkdtemp(prefix=f"wcv-{name}-", dir="/tmp")
-    os.chmod(d, 0o700)
-    work["dirs"].append(d)
-    return d
-
-
-class Preload:
-    """`weightcache preload --engine vllm ...` in a subprocess, until READY."""
-
-    def __init__(self, work, model: str, sockdir: str, *flags: str, timeout: float = 300.0):
-        self.sockdir = sockdir
-        self.log = open(work["root"] / f"preload-{Path(sockdir).name}.log", "w+")
-        cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--engine", "vllm", model, *VLLM_FLAGS,
-               "--weight-cache-socket-dir", sockdir, *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=work["env"])
-        deadline = time.monotonic() + timeout
-        self.ready = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            if "READY" in line:
-                self.ready = line
-                return
-        self.stop()
-        raise AssertionError(f"preload did not get ready:\n{self.tail()}")
-
-    def sockets(self, role: str = "main") -> list[str]:
-        return sorted(str(p) for p in Path(self.sockdir).glob(f"{role}-r*.sock"))
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-def run_engine(work, spec: dict, *, env: dict | None = None, timeout: float = 420.0) -> dict:
-    spec = {"model": work["tiny"], **spec}
-    r = subprocess.run([sys.executable, RUNNER, json.dumps(spec)], capture_output=True, text=True,
-                       env={**work["env"], **(env or {})}, timeout=timeout)
-    return _result(r.stdout, r.stderr)
-
-
-def _result(stdout: str, stderr: str) -> dict:
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-        if line.startswith("ERROR "):
-            err = json.loads(line[6:])
-            err["log"] = stderr[-3000:]
-            return {"error": err}
-    raise AssertionError(f"engine run printed no result:\n{stderr[-4000:]}")
-
-
-def ok(res: dict) -> dict:
-    assert "error" not in res, f"{res['error']['type']}: {res['error']['message']}\n{res['error']['log']}"
-    return res
-
-
-def weight_files_opened(res: dict) -> list[str]:
-    return [e for e in res["opened"] if e.endswith(".safetensors")]
+    cleanup(w)
 
 
 @pytest.fixture(scope="module")
 def daemons(work):
     """The main model plus a draft model group (speculative decoding), as one preload."""
-    sd = _sockdir(work, "main")
+    sd = sockdir(work, "main")
     spec = json.dumps({"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2})
     p = Preload(work, work["tiny"], sd, "--speculative-config", spec)
     yield p
@@ -200,7 +126,7 @@ def test_mismatched_engine_is_refused_field_by_field(work, daemons, change, fiel
 
 
 def test_no_daemon_fails_naming_the_socket_unless_fallback(work, disk):
-    empty = _sockdir(work, "empty")
+    empty = sockdir(work, "empty")
     res = run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": empty}})
     assert "error" in res
     text = res["error"]["message"] + res["error"]["log"]
@@ -244,7 +170,7 @@ def test_engine_waits_while_the_daemon_loads(work, daemons, disk):
 
     with attach(daemons.sockets("main")[0], mode="copy") as att:  # the weights, to publish again later
         tensors, roles, key = dict(att.tensors), dict(att.roles), att.key
-    sd = _sockdir(work, "wait")
+    sd = sockdir(work, "wait")
     d = Daemon(socket_path(sd, key, "cpu"), key)
     d.start()  # listening, state "loading"
     try:
@@ -256,12 +182,12 @@ def test_engine_waits_while_the_daemon_loads(work, daemons, disk):
         proc = subprocess.Popen([sys.executable, RUNNER, json.dumps(spec)], stdout=log, stderr=subprocess.STDOUT,
                                 text=True, env=work["env"])  # vLLM logs to stdout
         deadline = time.monotonic() + 300
-        while "is loading; waiting up to 300 s" not in _tail(log, 100_000):
-            assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
+        while "is loading; waiting up to 300 s" not in tail(log, 100_000):
+            assert proc.poll() is None and time.monotonic() < deadline, tail(log)
             time.sleep(0.2)
         d.load_tensors(tensors, roles)
         proc.wait(timeout=300)
-        res = ok(_result(_tail(log, 1_000_000), _tail(log)))
+        res = ok(result_of(tail(log, 1_000_000), tail(log)))
         assert res["attached"] and res["tokens"] == disk["tokens"]
         assert weight_files_opened(res) == []
         assert d.status().attaches_served == 1
@@ -269,70 +195,9 @@ def test_engine_waits_while_the_daemon_loads(work, daemons, disk):
         d.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _complete(port: int, prompt: str) -> list[int]:
-    import httpx
-
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-        "model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
-
-
 def test_openai_server_keeps_serving_when_the_daemon_is_killed(work, disk):
-    """vLLM's OpenAI server with its default multi-process engine (the plugin loads in every process)."""
-    import httpx
-
-    sd = _sockdir(work, "api")
-    pre = Preload(work, work["tiny"], sd)
-    port = _free_port()
-    env = {**work["env"]}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    log = open(work["root"] / "api.log", "w+")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work["tiny"], *VLLM_FLAGS,
-         "--served-model-name", "m", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1",
-         "--port", str(port), "--load-format", "weightcache",
-         "--model-loader-extra-config", json.dumps({"socket_dir": sd})],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert server.poll() is None, f"server exited:\n{_tail(log)}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise AssertionError(f"server not healthy:\n{_tail(log)}")
-        st = query_status(pre.sockets()[0])
-        assert st.clients_attached == 1  # the engine's worker holds its attachment
-        before = [_complete(port, p) for p in ("Hello, world", "The quick brown fox")]
-        assert before == disk["tokens"][:2]
-        os.kill(st.pid, signal.SIGKILL)  # the daemon holding the arena
-        pre.proc.kill()  # and its supervisor
-        pre.proc.wait(30)
-        assert [_complete(port, p) for p in ("Hello, world", "The quick brown fox")] == before
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        pre.stop()
-
-
-def _tail(f, n: int = 4000) -> str:
-    f.flush()
-    f.seek(0)
-    return f.read()[-n:]
+    openai_server_survives_daemon_kill(work, work["tiny"], disk["tokens"], "--enforce-eager",
+                                       "--gpu-memory-utilization", "0.3")
 
 
 def test_tensor_parallel_2(work, disk):
@@ -340,7 +205,7 @@ def test_tensor_parallel_2(work, disk):
     group, each engine worker attaches its rank, byte-identical to the disk load's shards."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on the CPU backend needs two cores")
-    sd = _sockdir(work, "tp2")
+    sd = sockdir(work, "tp2")
     pre = Preload(work, work["tiny"], sd, "--tensor-parallel-size", "2")
     try:
         assert len(pre.sockets()) == 2 and "dp1-pp1-tp2" in pre.ready
@@ -361,5 +226,24 @@ def test_tensor_parallel_2(work, disk):
         assert "error" in bad
         assert "layout: engine expects 'dp1-pp1-tp1', daemon holds 'dp1-pp1-tp2'" in (
             bad["error"]["message"] + bad["error"]["log"])
+    finally:
+        pre.stop()
+
+
+def test_moe_model_attaches_with_kernels_rebuilt_from_the_cache(work):
+    """A Qwen3-MoE-shaped model: the daemon captures the experts after vLLM's post-processing; the engine
+    rebuilds vLLM's MoE kernel objects from the attached weights (never shipped, never re-quantized)."""
+    moe = str(make_moe_checkpoint(work["root"] / "moe", "qwen3_moe"))
+    sd = sockdir(work, "moe")
+    pre = Preload(work, moe, sd)
+    try:
+        ref = ok(run_engine(work, {"model": moe, "dump": str(work["root"] / "moe-disk.pt")}))
+        res = ok(run_engine(work, {"model": moe, "load_format": "weightcache", "extra": {"socket_dir": sd},
+                                   "watch": [moe], "dump": str(work["root"] / "moe-attach.pt")}))
+        assert res["attached"] and res["tokens"] == ref["tokens"]
+        assert weight_files_opened(res) == []
+        a, b = torch.load(work["root"] / "moe-disk.pt"), torch.load(work["root"] / "moe-attach.pt")
+        assert any(".experts." in k and "w13" in k for k in a)
+        assert parity(a, b) == []
     finally:
         pre.stop()

@@ -159,6 +159,19 @@ def test_state_created_by_loading_that_cannot_be_shared_is_refused():
         src.capture(model, before)
 
 
+def test_kernels_made_by_post_processing_are_rebuilt_not_shipped():
+    model, before = _loaded_block()
+    model.moe = nn.Module()
+    model.moe.quant_method = type("Method", (), {"__module__": "vllm.fake_moe"})()
+    before = src.python_state(model)  # as constructed: the method holds no kernel yet
+    model.moe.quant_method.moe_kernel = object()  # made from the processed weights (opaque, unshareable)
+    model.moe.quant_method.moe_quant_config = object()
+    tensors, _ = src.capture(model, before)
+    meta = src.read_meta(tensors)
+    assert meta["rebuild"] == ["moe.quant_method"]
+    assert not any("moe_kernel" in n for n in tensors) and not any("moe_kernel" in n for n in meta["scalars"])
+
+
 def test_quantization_outside_the_allow_list_is_refused():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase

@@ -3,7 +3,8 @@
 ``python tests/vllm_runner.py '<json spec>'``; spec keys: model, dtype, tp, load_format, extra,
 speculative_config, prompts, max_tokens, watch (directories whose files' opens are recorded with inotify),
 dump (torch.save the engine's state there, see ``engine_state``), reload (kwargs for vLLM's
-``reload_weights``, then generate again), external_memory (call the loader's hook), gpu_memory_utilization.
+``reload_weights``, then generate again), external_memory (call the loader's hook), gpu_memory_utilization,
+quantization, enforce_eager (default true), max_model_len. The result also has the KV cache's blocks.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def main(spec: dict) -> dict:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # test harness only: ships _dump_rank to workers
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=128, enforce_eager=True,
-              seed=0, max_num_seqs=4, gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
-              tensor_parallel_size=spec.get("tp", 1))
+    kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_model_len", 128),
+              enforce_eager=spec.get("enforce_eager", True), seed=0, max_num_seqs=4,
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3), tensor_parallel_size=spec.get("tp", 1))
+    if spec.get("quantization"):
+        kw["quantization"] = spec["quantization"]
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
     if spec.get("extra") is not None:
@@ -96,6 +99,8 @@ def main(spec: dict) -> dict:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
     result = {"tokens": generate()}
+    cache = llm.llm_engine.vllm_config.cache_config
+    result["kv_blocks"], result["block_size"] = cache.num_gpu_blocks, cache.block_size
     if watch is not None:
         result["opened"] = sorted(set(watch.events()))
     inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and spec.get("tp", 1) == 1

@@ -274,12 +274,45 @@ def make_llama_checkpoint(
     return path
 
 
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+
+
+def moe_config(arch: str = "qwen3_moe", *, hidden_size: int = 128, num_layers: int = 2, num_experts: int = 4,
+               experts_per_token: int = 2, moe_intermediate_size: int = 64, num_heads: int = 2,
+               num_kv_heads: int = 1, head_dim: int = 64, vocab_size: int = 512):
+    """A small Mixture-of-Experts config of a family that transformers and vLLM both run."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    _validate(hidden_size, num_layers, moe_intermediate_size, num_heads, num_kv_heads, vocab_size)
+    common = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                  num_experts_per_tok=experts_per_token, max_position_embeddings=4096,
+                  bos_token_id=SPECIAL_TOKENS.index("<s>"), eos_token_id=SPECIAL_TOKENS.index("</s>"))
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=4 * moe_intermediate_size, moe_intermediate_size=moe_intermediate_size,
+                              num_experts=num_experts, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    if arch == "mixtral":
+        return MixtralConfig(intermediate_size=moe_intermediate_size, num_local_experts=num_experts, **common)
+    raise ValueError(f"unknown MoE architecture {arch!r}; known: {', '.join(MOE_ARCHITECTURES)}")
+
+
+def make_moe_checkpoint(path: str | Path, arch: str = "qwen3_moe", *, dtype: torch.dtype = torch.bfloat16,
+                        seed: int = 0, **shape) -> Path:
+    """Write a random-weight MoE checkpoint (Hugging Face layout, one tensor per expert) plus tokenizer."""
+    config = moe_config(arch, **shape)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _save_with_transformers(path, config, dtype, seed, None)
+    make_tokenizer(path, config.vocab_size)
+    return path
+
+
 def _save_with_transformers(path: Path, config, dtype: torch.dtype, seed: int, max_shard_bytes) -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
         # Norm weights init to ones; perturb them so tests can tell tensors apart.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -211,6 +211,22 @@ def apply_scalars(model: nn.Module, scalars: dict) -> None:
         object.__setattr__(obj, leaf, decode_scalar(enc))
 
 
+def rebuild_kernels(model: nn.Module, owners) -> int:
+    """Rebuild the kernel objects the daemon's post-processing made from the processed weights (MoE
+    kernels), for each recorded owner (a layer's quantization method), from the weights just bound."""
+    from ..vllm_compat import rebuild_kernels as rebuild
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for owner in owners:
+        name = owner.removesuffix(".quant_method") if owner != "quant_method" else ""
+        layer = modules.get(name)
+        if layer is None or getattr(layer, "quant_method", None) is None:
+            raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
+                                   "the daemon was built for another configuration")
+        rebuild(layer)
+    return len(owners)
+
+
 def bind_cpu_kernels(model: nn.Module) -> int:
     """vLLM's CPU backend computes with kernel handles (oneDNN / packed GEMM) made from each unquantized
     linear and embedding weight; a handle cannot cross processes, so each engine makes its own, exactly as
@@ -325,6 +341,7 @@ class WeightCacheModelLoader(BaseModelLoader):
         if self.options.mode != "map":
             return 0
         from ..client import query_status, wait_ready
+        from ..vllm_compat import record_charge
 
         device = target_device(vllm_config, self.load_config)
         configs = [vllm_config.model_config]
@@ -348,6 +365,7 @@ class WeightCacheModelLoader(BaseModelLoader):
                 if st.key != key:
                     raise KeyMismatch(_diffs(key, st.key), str(path))
                 total += st.nbytes
+                record_charge(str(path), draft, st.nbytes)
             except WeightCacheError as e:
                 if not self.options.fallback:
                     raise
@@ -357,10 +375,13 @@ class WeightCacheModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from ..client import attach, wait_ready
+        from ..vllm_compat import warn_if_untested
 
+        warn_if_untested()
         device = target_device(vllm_config, self.load_config)
         role = "draft" if is_draft_load(vllm_config, model_config) else "main"
         t0 = time.perf_counter()
+        path = None
         try:
             key = self._key(vllm_config, model_config)
             path = self._find(key, device)
@@ -378,6 +399,10 @@ class WeightCacheModelLoader(BaseModelLoader):
                 raise
             log.warning("weight cache unusable for the %s model, loading it from disk (fallback=true): %s",
                         role, e)
+            if path is not None:
+                from ..vllm_compat import record_fallback
+
+                record_fallback(str(path), role == "draft")
             return self._disk_load(vllm_config, model_config, prefix)
         model = self._build(vllm_config, model_config, prefix, att, device)
         log.info("attached %d tensors (%.2f GiB, mode=%s) for the %s model in %.2f s", len(att),
@@ -405,6 +430,7 @@ class WeightCacheModelLoader(BaseModelLoader):
         apply_deletions(model, meta.get("deleted", ()))
         bind_tensors(model, dict(att.tensors), att.roles, meta)
         apply_scalars(model, meta.get("scalars", {}))
+        rebuild_kernels(model, meta.get("rebuild", ()))
         missing = leftover_meta(model, device)
         if missing:
             raise WeightCacheError(
@@ -448,7 +474,7 @@ def engine_state(model: nn.Module, probe_seed: int = 0) -> dict[str, torch.Tenso
     (vLLM's CPU GEMMs hold their weights inside), its output on a fixed input as ``probe:<module>``."""
     from ..sources.vllm import reachable_tensors
 
-    tensors, _ = reachable_tensors(model)
+    tensors, _ = reachable_tensors(model, rebuilt=True)
     out = {k: v for k, v in tensors.items() if not v.is_meta}
     g = torch.Generator().manual_seed(probe_seed)
     for name, module in model.named_modules():

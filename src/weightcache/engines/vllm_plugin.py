@@ -20,3 +20,6 @@ def register() -> None:
 
     register_model_loader(LOAD_FORMAT)(WeightCacheModelLoader)
     _registered = True
+    from ..vllm_compat import install_memory_budget_shim
+
+    install_memory_budget_shim()  # only where vLLM lacks get_external_weight_memory

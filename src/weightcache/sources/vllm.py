@@ -15,6 +15,7 @@ host-side scalars such as ``_k_scale_float``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -34,14 +35,22 @@ ENGINE = "vllm"
 META_NAME = "__weightcache__.vllm"  # JSON side data (aliases, replaced parameters) as a uint8 tensor
 META_FORMAT = 1
 
-# Quantization methods whose post-load state is captured faithfully (tensors + vLLM's pre-processed mode).
+# On vLLM releases without a "weights already processed" mode (0.26): quantization methods whose post-load
+# state is tensors, host scalars and deletions (captured), plus the MoE kernels the engine rebuilds.
 ALLOWED_QUANT_METHODS = frozenset({
     "UnquantizedLinearMethod",
     "UnquantizedEmbeddingMethod",
     "Fp8LinearMethod",
+    "Fp8PerTensorOnlineLinearMethod",
     "BaseKVCacheMethod",
     "Fp8KVCacheMethod",
+    "UnquantizedFusedMoEMethod",
+    "Fp8MoEMethod",
+    "Fp8PerTensorOnlineMoEMethod",
 })
+# Objects a quantization method makes from the processed weights; the engine rebuilds them from the bound
+# tensors (vLLM's pre-processed mode where it has one, see weightcache.vllm_compat), so they are not shipped.
+REBUILT_ATTRIBUTES = frozenset({"moe_kernel", "moe_quant_config", "cpu_fused_moe"})
 # Runtime state bound by the engine's model runner, not weights.
 SKIP_ATTRIBUTES = frozenset({"kv_cache"})
 _MAX_DEPTH = 3
@@ -145,23 +154,29 @@ def draft_prefix(vllm_config) -> str:
 
 
 def check_quantization(model: nn.Module) -> None:
-    """Refuse a model with a quantization method outside the allow-list (see ALLOWED_QUANT_METHODS)."""
+    """Refuse a model whose quantization methods' post-load state the cache cannot capture: where vLLM has
+    a pre-processed mode, each method's own ``supports_pre_processed_weights``; else ALLOWED_QUANT_METHODS."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+    from ..vllm_compat import has_pre_processed_mode
+
+    declared = has_pre_processed_mode()
     bad: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         qm = getattr(module, "quant_method", None)
         if not isinstance(qm, QuantizeMethodBase):
             continue
         cls = type(qm).__name__
-        if cls not in ALLOWED_QUANT_METHODS or not getattr(qm, "supports_pre_processed_weights", False):
+        ok = getattr(qm, "supports_pre_processed_weights", False) if declared else cls in ALLOWED_QUANT_METHODS
+        if not ok:
             bad.setdefault(cls, []).append(name or "<root>")
     if bad:
         lines = [f"  {cls}: {len(layers)} layer(s), e.g. {', '.join(layers[:3])}" for cls, layers in bad.items()]
+        supported = ("methods that declare supports_pre_processed_weights" if declared
+                     else ", ".join(sorted(ALLOWED_QUANT_METHODS)))
         raise UnsupportedQuantization(
             "weightcache cannot capture the post-load state of these quantization methods faithfully:\n"
-            + "\n".join(lines)
-            + f"\nsupported: {', '.join(sorted(ALLOWED_QUANT_METHODS))}; load this model from disk instead")
+            + "\n".join(lines) + f"\nsupported: {supported}; load this model from disk instead")
 
 
 def _walkable(obj) -> bool:
@@ -213,6 +228,9 @@ def python_state(model: nn.Module) -> dict[str, dict[str, tuple]]:
     def record(path: str, obj, items, depth: int) -> None:
         entry = state.setdefault(path, {})
         for attr, v in items:
+            if attr in REBUILT_ATTRIBUTES:
+                entry[attr] = ("rebuilt", v is not None)
+                continue
             if isinstance(v, torch.Tensor):
                 entry[attr] = ("tensor", None)
                 continue
@@ -231,15 +249,19 @@ def python_state(model: nn.Module) -> dict[str, dict[str, tuple]]:
     return state
 
 
-def state_changes(before: dict, after: dict) -> tuple[dict[str, dict], list[str], list[str]]:
-    """(host-side scalars set or changed, attributes deleted, objects created) between two snapshots."""
-    scalars, deleted, created = {}, [], []
+def state_changes(before: dict, after: dict) -> tuple[dict[str, dict], list[str], list[str], list[str]]:
+    """(host-side scalars set or changed, attributes deleted, objects created, owners whose kernels the
+    engine rebuilds) between two snapshots."""
+    scalars, deleted, created, rebuilt = {}, [], [], []
     for path, attrs in after.items():
         old = before.get(path, {})
         for attr, (kind, val) in attrs.items():
             name = f"{path}.{attr}" if path else attr
             prev = old.get(attr)
-            if kind == "scalar" and prev != (kind, val):
+            if kind == "rebuilt":
+                if val and path not in rebuilt:
+                    rebuilt.append(path)
+            elif kind == "scalar" and prev != (kind, val):
                 scalars[name] = val
             elif kind == "object" and (prev is None or prev[0] != "object" or prev[1] is not val):
                 if attr not in KERNEL_ATTRIBUTES and path in before:
@@ -247,13 +269,15 @@ def state_changes(before: dict, after: dict) -> tuple[dict[str, dict], list[str]
         for attr in old:
             if attr not in attrs and path in after:
                 deleted.append(f"{path}.{attr}" if path else attr)
-    return scalars, deleted, created
+    return scalars, deleted, created, rebuilt
 
 
-def reachable_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def reachable_tensors(model: nn.Module, *, rebuilt: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor the model's forward can read, by every name it is reachable under, with its role:
     parameters, buffers, and tensors held as plain attributes of modules and of the plain vLLM objects
-    they hold (quantization methods, kernels), up to a few levels deep."""
+    they hold (quantization methods, kernels), up to a few levels deep. Kernels the engine rebuilds
+    (REBUILT_ATTRIBUTES) are walked only with ``rebuilt`` (for parity checks)."""
+    skipped = SKIP_ATTRIBUTES if rebuilt else SKIP_ATTRIBUTES | REBUILT_ATTRIBUTES
     tensors: dict[str, torch.Tensor] = {}
     roles: dict[str, str] = {}
 
@@ -267,7 +291,7 @@ def reachable_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
             return
         seen.add(id(obj))
         for attr, v in vars(obj).items():
-            if attr in SKIP_ATTRIBUTES:
+            if attr in skipped:
                 continue
             if isinstance(v, torch.Tensor):
                 add(f"{prefix}.{attr}", v, "attribute")
@@ -284,7 +308,7 @@ def reachable_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
                 add(pre + leaf, b, "nonpersistent_buffer" if leaf in module._non_persistent_buffers_set else "buffer")
         seen: set = set()
         for attr, v in vars(module).items():
-            if attr in ("_parameters", "_buffers", "_modules") or attr in SKIP_ATTRIBUTES:
+            if attr in ("_parameters", "_buffers", "_modules") or attr in skipped:
                 continue
             if isinstance(v, torch.Tensor):
                 add(pre + attr, v, "attribute")
@@ -321,14 +345,15 @@ def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, tor
                     ", ".join(skipped[:_MAX_LISTED]))
     replaced = sorted(n for n, r in roles.items()
                       if r == "parameter" and not tensors[n].__dict__.pop(_ORIGINAL, False))
-    scalars, deleted, created = state_changes(before, python_state(model)) if before is not None else ({}, [], [])
+    scalars, deleted, created, rebuilt = (state_changes(before, python_state(model)) if before is not None
+                                          else ({}, [], [], []))
     if created:
         raise UnsupportedQuantization(
             "loading created state that cannot be shared between processes (not a tensor, scalar or known "
             f"kernel handle): {', '.join(created[:_MAX_LISTED])}; load this model from disk instead")
     meta = {"format": META_FORMAT, "aliases": aliases, "replaced": replaced, "meta_tensors": skipped,
-            "scalars": scalars, "deleted": deleted}
-    tensors[META_NAME] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(
+            "scalars": scalars, "deleted": deleted, "rebuild": rebuilt}
+    tensors[META_NAME] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).clone().to(
         next((t.device for t in tensors.values()), torch.device("cpu")))
     roles[META_NAME] = "attribute"
     return tensors, roles
@@ -366,12 +391,32 @@ def _defer_cpu_gemm_dispatch(model: nn.Module) -> list[nn.Module]:
     return marked
 
 
+@contextlib.contextmanager
+def _accelerator_calls_without_accelerator():
+    """vLLM's loader empties the accelerator's cache; on a CPU-only torch that raises, so (as vLLM's own CPU
+    worker does) make those calls no-ops while loading."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or acc.is_available():
+        yield
+        return
+    saved = {name: getattr(acc, name) for name in ("empty_cache", "synchronize") if hasattr(acc, name)}
+    for name in saved:
+        setattr(acc, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(acc, name, fn)
+
+
 def build_model(vllm_config, model_config, *, prefix: str = "") -> tuple[nn.Module, dict]:
     """The rank's model as vLLM's loader makes it (needs vLLM's distributed state and current config),
-    and the snapshot of its Python state as constructed (see ``capture``)."""
+    and the snapshot of its Python state as constructed (see ``capture``).
+
+    The loader's own ``load_model`` runs unchanged (construction, online quantization, layerwise and
+    final post-processing as this vLLM release does them); its ``load_weights`` is wrapped to check the
+    quantization methods and snapshot the model between construction and loading."""
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     load_config = vllm_config.load_config
     if load_config.load_format == "weightcache":
@@ -385,20 +430,27 @@ def build_model(vllm_config, model_config, *, prefix: str = "") -> tuple[nn.Modu
         init_workspace_manager(device)
     except Exception as e:  # already initialised, or not needed on this platform
         log.debug("workspace manager: %s", e)
-    with set_default_torch_dtype(model_config.dtype):
-        with device:
-            model = loader.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    seen: dict = {}
+    load_weights = loader.load_weights
+
+    def snapshot_then_load(model: nn.Module, mc) -> None:
         check_quantization(model)
         for p in model.parameters():
             p.__dict__[_ORIGINAL] = True
-        before = python_state(model)
-        loader.load_weights(model, model_config)
-        marked = _defer_cpu_gemm_dispatch(model)
-        process_weights_after_loading(model, model_config, device)
-        for m in marked:
-            del m._cpu_skip_gemm_dispatch
-            m.__dict__.pop("cpu_linear", None)
-    return model.eval(), before
+        seen["before"] = python_state(model)
+        seen["marked"] = _defer_cpu_gemm_dispatch(model)
+        load_weights(model, mc)
+
+    loader.load_weights = snapshot_then_load
+    with _accelerator_calls_without_accelerator():
+        model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    if "before" not in seen:
+        raise WeightCacheError(f"{type(loader).__name__}.load_model did not call load_weights: this loader "
+                               "cannot be captured by weightcache")
+    for m in seen["marked"]:
+        del m._cpu_skip_gemm_dispatch
+        m.__dict__.pop("cpu_linear", None)
+    return model.eval(), seen["before"]
 
 
 def _init_distributed(placement, master_addr: str, master_port: int, role: str, timeout_s: float) -> None:
@@ -475,8 +527,9 @@ class VllmSource:
         except BaseException as e:
             daemon.fail(f"{type(e).__name__}: {e}")
             raise
-        daemon.load_tensors(tensors, roles)
-        # The arena holds its own copy now: drop the model (attention layers sit in the config's context).
+        daemon.load_tensors(tensors, roles, consume=True)
+        # The weights live in the arena now (each source storage was freed once packed): drop the model
+        # (attention layers sit in the config's context).
         del tensors, model
         try:
             cfg.compilation_config.static_forward_context.clear()
