@@ -138,7 +138,15 @@ def draft_vllm_config(vllm_config):
     spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
         return None
-    cfg = spec.apply_draft_overrides(vllm_config)
+    if hasattr(spec, "apply_draft_overrides"):
+        cfg = spec.apply_draft_overrides(vllm_config)
+    else:  # vLLM 0.26: the overrides its proposer's _create_draft_vllm_config applies
+        cfg = vllm_config
+        if getattr(spec, "moe_backend", None) is not None:
+            cfg = replace(cfg, kernel_config=replace(cfg.kernel_config, moe_backend=spec.moe_backend))
+        if hasattr(cfg, "attention_config"):
+            cfg = replace(cfg, attention_config=replace(cfg.attention_config,
+                                                        backend=getattr(spec, "attention_backend", None)))
     if spec.method == "draft_model":  # as vLLM's DraftModelProposer
         cfg = replace(cfg, quant_config=None, model_config=spec.draft_model_config,
                       parallel_config=replace(spec.draft_parallel_config, rank=vllm_config.parallel_config.rank))
