@@ -218,3 +218,45 @@ def test_preload_front_end_refuses_bad_flags(argv, message):
                        timeout=120)
     assert r.returncode != 0
     assert message in r.stderr
+
+
+def test_versions_outside_the_tested_range_get_one_clear_warning():
+    from weightcache.vllm_compat import version_note
+
+    assert version_note("0.26.0") is None and version_note("0.34.1") is None and version_note("0.32.0+cpu") is None
+    for v in ("0.25.1", "0.35.0", "1.0.0", "dev"):
+        note = version_note(v)
+        assert note and f"this is vLLM {v}" in note and "0.26 to 0.34" in note
+
+
+def test_engine_budget_counts_the_daemons_bytes_once():
+    from weightcache.vllm_compat import engine_budget
+
+    gib = 2**30
+    # 100 GiB device, 0.9 utilization, daemons hold 30 GiB (already in use, so 70 GiB free)
+    assert engine_budget(100 * gib, 70 * gib, 0.9, 30 * gib) == 60 * gib
+    with pytest.raises(ValueError, match="exceed the --gpu-memory-utilization budget"):
+        engine_budget(100 * gib, 70 * gib, 0.2, 30 * gib)
+    with pytest.raises(ValueError, match="free memory on the device"):
+        engine_budget(100 * gib, 50 * gib, 0.9, 30 * gib)
+
+
+def test_budget_shim_wraps_request_memory_only_for_weightcache(monkeypatch):
+    """vLLM releases without get_external_weight_memory: the GPU worker's request_memory is wrapped."""
+    import types
+
+    from weightcache import vllm_compat
+    from weightcache.engines.vllm_loader import WeightCacheModelLoader
+
+    calls = []
+    fake = types.SimpleNamespace(request_memory=lambda snap, cc: calls.append("original") or 123)
+    vllm_compat._wrap_request_memory(fake)
+    snap = types.SimpleNamespace(total_memory=100 << 30, free_memory=90 << 30)
+    cache = types.SimpleNamespace(gpu_memory_utilization=0.5)
+    cfg = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto", model_loader_extra_config={}))
+    monkeypatch.setattr("vllm.config.get_current_vllm_config", lambda: cfg)
+    assert fake.request_memory(snap, cache) == 123 and calls == ["original"]
+    cfg.load_config.load_format = "weightcache"
+    monkeypatch.setattr(WeightCacheModelLoader, "get_external_weight_memory", lambda self, c: 10 << 30)
+    assert fake.request_memory(snap, cache) == (50 << 30) - (10 << 30)
+    assert calls == ["original"]

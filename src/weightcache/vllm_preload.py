@@ -175,6 +175,9 @@ def _preload(args) -> int:
     if args.load_format == "weightcache":
         raise UsageError("the daemons load from the checkpoint themselves: drop --load-format weightcache "
                          "(it is the engine's flag)")
+    from .vllm_compat import warn_if_untested
+
+    warn_if_untested()
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     _download(vllm_config)
