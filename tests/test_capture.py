@@ -82,3 +82,23 @@ def test_peak_memory_of_packing(sockdir, consume):
         assert r["added"] <= (32 << 20) + (24 << 20), r  # one block in flight, plus slack
     else:
         assert r["added"] >= 0.9 * r["weights"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consume", [True, False])
+def test_peak_device_memory_of_packing(sockdir, consume):
+    """On CUDA the daemon samples its device memory while packing: ~1x + one block when consuming."""
+    tensors = {f"layer{i}": torch.randn(1 << 26, device="cuda") for i in range(16)}  # 16 x 256 MiB
+    weights = 16 * (256 << 20)
+    torch.cuda.synchronize()
+    d = wc.Daemon(os.path.join(sockdir, "g.sock"), KEY, device="cuda", block_bytes=1 << 30)  # baseline: tensors in use
+    d.start()
+    try:
+        d.load_tensors(tensors, consume=consume)
+        peak = d.status().peak_device_bytes
+        if consume:
+            assert peak <= 512 << 20, peak  # one 256 MiB block (4 GiB / 16) beyond what was in use, plus slack
+        else:
+            assert peak >= 0.9 * weights, peak
+    finally:
+        d.close()
