@@ -29,7 +29,9 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from .. import model_state
 from ..errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, WeightCacheError
+from ..model_state import apply_deletions, apply_scalars, bind_captured  # noqa: F401  (re-exported)
 
 # Under "vllm" so that vLLM's logging configuration (handler, format, level) shows these lines.
 log = logging.getLogger("vllm.weightcache")
@@ -102,113 +104,11 @@ def target_device(vllm_config: VllmConfig, load_config: LoadConfig) -> torch.dev
 # ---- binding ---------------------------------------------------------------------------------------------------
 
 
-def _owner(root: nn.Module, modules: dict[str, nn.Module], name: str):
-    """(object holding the leaf, leaf) for a dotted name: a module path, then plain attributes."""
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, -1, -1):
-        mod = modules.get(".".join(parts[:cut]))
-        if mod is None:
-            continue
-        obj = mod
-        for attr in parts[cut:-1]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                raise WeightCacheError(f"cached tensor {name}: the model has no {attr!r} at {'.'.join(parts[:cut])}")
-        return obj, parts[-1]
-    raise WeightCacheError(f"cached tensor {name}: no such module in the model")
-
-
-def _new_param(old, t: torch.Tensor, keep_class: bool) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    if isinstance(old, nn.Parameter):
-        if keep_class and type(old) is not nn.Parameter:
-            p.__class__ = type(old)
-        p.__dict__.update({k: v for k, v in old.__dict__.items() if k not in p.__dict__})
-    return p
-
-
 def bind_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], roles: dict[str, str], meta: dict) -> int:
     """Bind attached tensors into a model built on the meta device; returns how many names were bound."""
     from ..sources.vllm import META_NAME
 
-    modules = dict(model.named_modules(remove_duplicate=False))
-    replaced = set(meta.get("replaced", ()))
-    bound: dict[str, torch.Tensor] = {}
-
-    def put(name: str, t: torch.Tensor, role: str) -> None:
-        obj, leaf = _owner(model, modules, name)
-        if role == "parameter":
-            if not isinstance(obj, nn.Module):
-                raise WeightCacheError(f"cached parameter {name} is not owned by a module")
-            old = obj._parameters.get(leaf)
-            if old is not None and (old.shape != t.shape or old.dtype != t.dtype) and name not in replaced:
-                raise WeightCacheError(
-                    f"cached parameter {name} is {t.dtype}{list(t.shape)} but the model builds "
-                    f"{old.dtype}{list(old.shape)}: the daemon was built for another configuration")
-            p = t if isinstance(t, nn.Parameter) else _new_param(old, t, keep_class=name not in replaced)
-            obj._buffers.pop(leaf, None)
-            if leaf in obj._parameters or not hasattr(obj, leaf):
-                obj._parameters[leaf] = p
-            else:
-                delattr(obj, leaf)
-                obj.register_parameter(leaf, p)
-            bound[name] = p
-        elif role in ("buffer", "nonpersistent_buffer"):
-            obj._parameters.pop(leaf, None)
-            if leaf in obj._buffers:
-                obj._buffers[leaf] = t
-                if role == "nonpersistent_buffer":
-                    obj._non_persistent_buffers_set.add(leaf)
-            else:
-                if hasattr(obj, leaf):
-                    delattr(obj, leaf)
-                obj.register_buffer(leaf, t, persistent=role == "buffer")
-            bound[name] = t
-        else:
-            if isinstance(obj, nn.Module):
-                obj._parameters.pop(leaf, None)
-                obj._buffers.pop(leaf, None)
-            object.__setattr__(obj, leaf, t)
-            bound[name] = t
-
-    for name, t in tensors.items():
-        if name != META_NAME:
-            put(name, t, roles.get(name, "parameter"))
-    for alias, canonical in meta.get("aliases", {}).items():
-        t = bound.get(canonical)
-        if t is None:
-            raise WeightCacheError(f"cached alias {alias} names {canonical}, which the cache does not hold")
-        put(alias, t, "parameter" if isinstance(t, nn.Parameter) else
-            roles.get(canonical, "attribute"))
-    return len(bound)
-
-
-def apply_deletions(model: nn.Module, names) -> None:
-    """Drop what the daemon's loading deleted (placeholders consumed by post-processing)."""
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for name in names:
-        try:
-            obj, leaf = _owner(model, modules, name)
-        except WeightCacheError:
-            continue  # its owner is gone too
-        if isinstance(obj, nn.Module) and (leaf in obj._parameters or leaf in obj._buffers):
-            obj._parameters.pop(leaf, None)
-            obj._buffers.pop(leaf, None)
-        elif hasattr(obj, leaf):
-            delattr(obj, leaf)
-
-
-def apply_scalars(model: nn.Module, scalars: dict) -> None:
-    """Set the host-side scalars the daemon's loading set (e.g. ``_k_scale_float``, ``input_scale = None``)."""
-    from ..sources.vllm import decode_scalar
-
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for name, enc in scalars.items():
-        obj, leaf = _owner(model, modules, name)
-        if isinstance(obj, nn.Module):
-            obj._parameters.pop(leaf, None)
-            obj._buffers.pop(leaf, None)
-        object.__setattr__(obj, leaf, decode_scalar(enc))
+    return len(bind_captured(model, tensors, roles, meta, skip=frozenset({META_NAME})))
 
 
 def rebuild_kernels(model: nn.Module, owners) -> int:
@@ -493,16 +393,4 @@ def engine_state(model: nn.Module, probe_seed: int = 0) -> dict[str, torch.Tenso
 
 def parity(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> list[str]:
     """Differences between two ``engine_state``s: names on one side only, dtype/shape/byte mismatches."""
-    diffs = [f"missing: {n}" for n in sorted(set(expected) - set(actual))]
-    diffs += [f"unexpected: {n}" for n in sorted(set(actual) - set(expected))]
-    for n in sorted(set(expected) & set(actual)):
-        a, b = expected[n], actual[n]
-        if a.dtype != b.dtype or a.shape != b.shape:
-            diffs.append(f"{n}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
-        elif not torch.equal(_bytes(a), _bytes(b)):
-            diffs.append(f"{n}: bytes differ")
-    return diffs
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return model_state.parity(expected, actual)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -26,8 +25,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import model_state
 from ..errors import WeightCacheError
 from ..key import CacheKey, checkpoint_digest, config_digest, dtype_name
+from ..model_state import Rules, decode_scalar, walkable_in  # noqa: F401  (decode_scalar: re-exported)
 
 log = logging.getLogger("weightcache.sources.vllm")
 
@@ -189,95 +190,26 @@ def check_quantization(model: nn.Module) -> None:
 
 def _walkable(obj) -> bool:
     """Plain vLLM objects (quantization methods, kernels) whose attributes may hold tensors."""
-    if isinstance(obj, (nn.Module, torch.Tensor, type)) or not hasattr(obj, "__dict__"):
-        return False
-    mod = type(obj).__module__ or ""
-    return mod.startswith("vllm.") and not type(obj).__name__.endswith("Config")
+    return _WALKABLE(obj)
 
 
-_SCALARS = (type(None), bool, int, float, str)
+_WALKABLE = walkable_in("vllm")
 # Kernel handles vLLM's CPU backend makes from the weights; the engine makes its own (see the engine).
 KERNEL_ATTRIBUTES = frozenset({"cpu_linear"})
-
-
-def _encode(v):
-    """A JSON form of a host-side scalar attribute, or None when it is not one."""
-    if isinstance(v, _SCALARS):
-        return {"v": v}
-    if isinstance(v, torch.dtype):
-        return {"dtype": dtype_name(v)}
-    if isinstance(v, (list, tuple)) and all(isinstance(x, _SCALARS) for x in v):
-        return {"list" if isinstance(v, list) else "tuple": list(v)}
-    return None
-
-
-def decode_scalar(enc: dict):
-    from ..key import parse_dtype
-
-    if "v" in enc:
-        return enc["v"]
-    if "dtype" in enc:
-        return parse_dtype(enc["dtype"])
-    if "tuple" in enc:
-        return tuple(enc["tuple"])
-    return list(enc["list"])
-
-
-def _module_internals() -> frozenset:
-    return frozenset(vars(nn.Module()))
+RULES = Rules(walkable=_WALKABLE, skip=SKIP_ATTRIBUTES, rebuilt=REBUILT_ATTRIBUTES, engine_made=KERNEL_ATTRIBUTES,
+              max_depth=_MAX_DEPTH)
 
 
 def python_state(model: nn.Module) -> dict[str, dict[str, tuple]]:
     """Per owner path (modules and the plain vLLM objects they hold), each attribute's kind: a tensor,
     a host-side scalar (with its value) or another object (held, so identity can be compared)."""
-    internals = _module_internals()
-    state: dict[str, dict[str, tuple]] = {}
-
-    def record(path: str, obj, items, depth: int) -> None:
-        entry = state.setdefault(path, {})
-        for attr, v in items:
-            if attr in REBUILT_ATTRIBUTES:
-                entry[attr] = ("rebuilt", v is not None)
-                continue
-            if isinstance(v, torch.Tensor):
-                entry[attr] = ("tensor", None)
-                continue
-            enc = _encode(v)
-            if enc is not None:
-                entry[attr] = ("scalar", enc)
-                continue
-            entry[attr] = ("object", v)
-            if _walkable(v) and depth < _MAX_DEPTH:
-                record(f"{path}.{attr}" if path else attr, v, list(vars(v).items()), depth + 1)
-
-    for mname, module in model.named_modules(remove_duplicate=False):
-        items = [(k, v) for k, v in vars(module).items() if k not in internals]
-        items += list(module._parameters.items()) + list(module._buffers.items())  # None: a scalar
-        record(mname, module, items, 0)
-    return state
+    return model_state.python_state(model, RULES)
 
 
 def state_changes(before: dict, after: dict) -> tuple[dict[str, dict], list[str], list[str], list[str]]:
     """(host-side scalars set or changed, attributes deleted, objects created, owners whose kernels the
     engine rebuilds) between two snapshots."""
-    scalars, deleted, created, rebuilt = {}, [], [], []
-    for path, attrs in after.items():
-        old = before.get(path, {})
-        for attr, (kind, val) in attrs.items():
-            name = f"{path}.{attr}" if path else attr
-            prev = old.get(attr)
-            if kind == "rebuilt":
-                if val and path not in rebuilt:
-                    rebuilt.append(path)
-            elif kind == "scalar" and prev != (kind, val):
-                scalars[name] = val
-            elif kind == "object" and (prev is None or prev[0] != "object" or prev[1] is not val):
-                if attr not in KERNEL_ATTRIBUTES and path in before:
-                    created.append(f"{name} ({type(val).__name__})")
-        for attr in old:
-            if attr not in attrs and path in after:
-                deleted.append(f"{path}.{attr}" if path else attr)
-    return scalars, deleted, created, rebuilt
+    return model_state.state_changes(before, after, RULES)
 
 
 def reachable_tensors(model: nn.Module, *, rebuilt: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -285,44 +217,7 @@ def reachable_tensors(model: nn.Module, *, rebuilt: bool = False) -> tuple[dict[
     parameters, buffers, and tensors held as plain attributes of modules and of the plain vLLM objects
     they hold (quantization methods, kernels), up to a few levels deep. Kernels the engine rebuilds
     (REBUILT_ATTRIBUTES) are walked only with ``rebuilt`` (for parity checks)."""
-    skipped = SKIP_ATTRIBUTES if rebuilt else SKIP_ATTRIBUTES | REBUILT_ATTRIBUTES
-    tensors: dict[str, torch.Tensor] = {}
-    roles: dict[str, str] = {}
-
-    def add(name: str, t, role: str) -> None:
-        if isinstance(t, torch.Tensor) and name not in tensors:
-            tensors[name] = t
-            roles[name] = role
-
-    def walk(prefix: str, obj, depth: int, seen: set) -> None:
-        if depth > _MAX_DEPTH or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        for attr, v in vars(obj).items():
-            if attr in skipped:
-                continue
-            if isinstance(v, torch.Tensor):
-                add(f"{prefix}.{attr}", v, "attribute")
-            elif _walkable(v):
-                walk(f"{prefix}.{attr}", v, depth + 1, seen)
-
-    for mname, module in model.named_modules(remove_duplicate=False):
-        pre = f"{mname}." if mname else ""
-        for leaf, p in module._parameters.items():
-            if p is not None:
-                add(pre + leaf, p, "parameter")
-        for leaf, b in module._buffers.items():
-            if b is not None:
-                add(pre + leaf, b, "nonpersistent_buffer" if leaf in module._non_persistent_buffers_set else "buffer")
-        seen: set = set()
-        for attr, v in vars(module).items():
-            if attr in ("_parameters", "_buffers", "_modules") or attr in skipped:
-                continue
-            if isinstance(v, torch.Tensor):
-                add(pre + attr, v, "attribute")
-            elif _walkable(v):
-                walk(pre + attr, v, 1, seen)
-    return tensors, roles
+    return model_state.reachable_tensors(model, RULES, include_rebuilt=rebuilt)
 
 
 def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -332,22 +227,7 @@ def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, tor
     set and the attributes it deleted. An object loading created that is neither a tensor, a scalar nor
     a known kernel handle cannot be shared: refused."""
     everything, all_roles = reachable_tensors(model)
-    tensors: dict[str, torch.Tensor] = {}
-    roles: dict[str, str] = {}
-    canonical: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    skipped: list[str] = []
-    for name, t in everything.items():
-        if t.device.type == "meta":
-            skipped.append(name)
-            continue
-        first = canonical.get(id(t))
-        if first is not None:
-            aliases[name] = first
-            continue
-        canonical[id(t)] = name
-        tensors[name] = t.detach() if all_roles[name] != "parameter" else t
-        roles[name] = all_roles[name]
+    tensors, roles, aliases, skipped = model_state.split_aliases(everything, all_roles)
     if skipped:
         log.warning("not caching %d meta tensor(s) the loader left unset, e.g. %s", len(skipped),
                     ", ".join(skipped[:_MAX_LISTED]))
@@ -361,21 +241,16 @@ def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, tor
             f"kernel handle): {', '.join(created[:_MAX_LISTED])}; load this model from disk instead")
     meta = {"format": META_FORMAT, "aliases": aliases, "replaced": replaced, "meta_tensors": skipped,
             "scalars": scalars, "deleted": deleted, "rebuild": rebuilt}
-    tensors[META_NAME] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).clone().to(
-        next((t.device for t in tensors.values()), torch.device("cpu")))
+    tensors[META_NAME] = model_state.side_data_tensor(meta, next((t.device for t in tensors.values()),
+                                                                 torch.device("cpu")))
     roles[META_NAME] = "attribute"
     return tensors, roles
 
 
 def read_meta(tensors: Mapping[str, torch.Tensor]) -> dict:
-    t = tensors.get(META_NAME)
-    if t is None:
-        raise WeightCacheError("the daemon's tensors carry no vLLM side data: not a `preload --engine vllm` cache")
-    meta = json.loads(bytes(t.cpu().numpy()))
-    if meta.get("format") != META_FORMAT:
-        raise WeightCacheError(f"vLLM side data format {meta.get('format')} is not {META_FORMAT}; "
-                               "restart the preload with this weightcache version")
-    return meta
+    return model_state.read_side_data(
+        tensors, META_NAME, META_FORMAT, "vLLM",
+        "the daemon's tensors carry no vLLM side data: not a `preload --engine vllm` cache")
 
 
 # ---- building a rank's model the way the engine would --------------------------------------------------------
