@@ -263,12 +263,13 @@ def new_parameter(old, t: torch.Tensor, *, keep_class: bool, requires_grad: bool
 
 
 def bind_captured(model: nn.Module, tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str], meta: dict, *,
-                  skip: frozenset = frozenset(), requires_grad: bool | None = False,
+                  skip: frozenset = frozenset(), requires_grad: bool | None | Callable = False,
                   wrap: Callable[[object, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Bind captured tensors into a model built on the meta device under every name the daemon saw them
     (``meta["aliases"]``); returns name -> what was bound. A parameter whose shape or dtype differs from the
     one the model built is refused unless ``meta["replaced"]`` names it. ``wrap(old, t)`` may turn an
-    attached tensor into what the old one was (e.g. a DTensor over a local shard)."""
+    attached tensor into what the old one was (e.g. a DTensor over a local shard). ``requires_grad``: a bool,
+    None (as the parameter the model built, floating point only) or ``fn(name, tensor) -> bool``."""
     modules = dict(model.named_modules(remove_duplicate=False))
     replaced = set(meta.get("replaced", ()))
     bound: dict[str, torch.Tensor] = {}
@@ -285,8 +286,9 @@ def bind_captured(model: nn.Module, tensors: Mapping[str, torch.Tensor], roles: 
                 raise WeightCacheError(
                     f"cached parameter {name} is {t.dtype}{list(t.shape)} but the model builds "
                     f"{old.dtype}{list(old.shape)}: the daemon was built for another configuration")
+            grad = requires_grad(name, t) if callable(requires_grad) else requires_grad
             p = t if isinstance(t, nn.Parameter) else new_parameter(old, t, keep_class=name not in replaced,
-                                                                     requires_grad=requires_grad)
+                                                                     requires_grad=grad)
             obj._buffers.pop(leaf, None)
             if leaf in obj._parameters or not hasattr(obj, leaf):
                 obj._parameters[leaf] = p

@@ -1,11 +1,13 @@
 """transformers engine: ``from_pretrained`` over weights a daemon holds.
 
 ``weightcache.transformers.from_pretrained(path, device=..., dtype=...)`` returns the model that
-``AutoModelForCausalLM.from_pretrained`` would build, without reading the checkpoint's weight files when a
-daemon holds them: the model is built on the meta device from its config (as transformers itself does),
-the daemon's tensors are bound in place (zero-copy with ``mode="map"``), tied weights stay tied, and the
-non-persistent buffers (rotary ``inv_freq``) are recomputed by the model's own ``_init_weights`` on the
-target device, as ``from_pretrained`` does.
+``AutoModelForCausalLM.from_pretrained`` builds, without reading the checkpoint's weight files when a daemon
+holds them (``weightcache preload --model PATH``). It is transformers' own ``from_pretrained``: config,
+quantizer module replacement, keep-in-fp32 plan, weight conversion mapping, the model built on the meta
+device, generation config and the quantizer's post-processing all run as transformers runs them; only the
+step that reads the checkpoint (and the one that finalizes it) is replaced by binding the tensors the
+daemon's own ``from_pretrained`` produced — every parameter, buffer and tensor attribute, zero-copy with
+``mode="map"`` — and re-applying the Python state its loading set (see ``weightcache.sources.transformers``).
 
 ``key_for_checkpoint`` is the cache identity of a checkpoint served for this engine; ``weightcache preload``
 (engine "transformers") computes its key with the same function, so both sides agree.
@@ -13,14 +15,8 @@ target device, as ``from_pretrained`` does.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
-import importlib.metadata
-import json
 import logging
 import re
-import struct
 import time
 import warnings
 from pathlib import Path
@@ -29,122 +25,34 @@ import torch
 
 from ..client import attach, find_socket
 from ..errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, PermissionDenied, WeightCacheError
-from ..key import CacheKey, checkpoint_digest, config_digest, dtype_name, parse_dtype
+from ..model_state import (
+    apply_deletions,
+    apply_scalars,
+    bind_captured,
+    leftover_meta,
+    owner_of,
+    read_side_data,
+)
 from ..naming import default_socket_dir, device_tag, socket_path
-from .torch import BindError, bind
+from ..transformers_compat import (
+    META_FORMAT,
+    META_NAME,
+    LoadingSteps,
+    engine_version,
+    intercept_loading,
+    key_for_checkpoint,
+    load_kwargs,
+    read_config,
+    resolve_dtype,
+    snapshot_revision,
+)
+from .torch import BindError
 
 log = logging.getLogger("weightcache.engines.transformers")
-
-ENGINE = "transformers"
-_SNAPSHOT = re.compile(r"^[0-9a-f]{40}$")
-_ST_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class NoDaemonWarning(UserWarning):
     """from_pretrained fell back to reading the checkpoint from disk."""
-
-
-# ---- identity -------------------------------------------------------------------------------------------------
-
-
-def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a transformers checkpoint directory") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-
-
-def _checkpoint_float_dtype(model_dir: Path) -> torch.dtype | None:
-    """What transformers' dtype="auto" falls back to without a config dtype: the index's metadata, else
-    the first floating-point tensor of the first weight file (its header only)."""
-    index = model_dir / "model.safetensors.index.json"
-    files = [model_dir / "model.safetensors"]
-    if index.exists():
-        meta = json.loads(index.read_text())
-        if isinstance(meta.get("metadata"), dict) and meta["metadata"].get("dtype"):
-            return parse_dtype(str(meta["metadata"]["dtype"]))
-        files = [model_dir / f for f in sorted(set(meta.get("weight_map", {}).values()))]
-    for f in files[:1]:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(min(n, 100 << 20)))
-        except (OSError, ValueError, struct.error):
-            return None
-        for name, entry in header.items():
-            if name != "__metadata__" and entry.get("dtype") in _ST_FLOATS:
-                return _ST_FLOATS[entry["dtype"]]
-    return None
-
-
-def resolve_dtype(model_dir: str | Path, dtype=None, *, config: dict | None = None) -> torch.dtype:
-    """The dtype ``from_pretrained`` loads with: an explicit dtype, else ("auto"/None) the config's
-    ``dtype``/``torch_dtype``, else the checkpoint's floating-point dtype, else float32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is not None and not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a torch.dtype, a dtype name or 'auto', not {type(dtype).__name__}")
-    if dtype not in (None, "auto"):
-        try:
-            return parse_dtype(dtype)
-        except ValueError:
-            raise ValueError(f"unknown dtype {dtype!r}: use 'auto' or a torch dtype name such as 'bfloat16'") from None
-    model_dir = Path(model_dir)
-    cfg = config if config is not None else _read_config(model_dir)
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    if isinstance(name, str) and name != "auto":
-        return parse_dtype(name)
-    return _checkpoint_float_dtype(model_dir) or torch.float32
-
-
-def snapshot_revision(model_dir: str | Path) -> str:
-    """The commit of a Hugging Face cache snapshot directory (``.../snapshots/<sha>``), else ""."""
-    p = Path(model_dir).absolute()
-    return p.name if p.parent.name == "snapshots" and _SNAPSHOT.match(p.name) else ""
-
-
-@functools.cache
-def engine_version() -> str:
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def key_for_checkpoint(
-    model_dir: str | Path,
-    *,
-    dtype=None,
-    layout: str = "dp1-pp1-tp1",
-    rank: int = 0,
-    role: str = "main",
-    engine: str = ENGINE,
-    revision: str | None = None,
-) -> CacheKey:
-    """The CacheKey of a checkpoint directory served for ``engine``: the checkpoint's content digest, the
-    resolved dtype (``dtype=None``/"auto" as transformers resolves it), its quantization config, the parallel
-    layout, rank and role. Reads config.json and stats the weight files (their digests are remembered);
-    never reads weights."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {model_dir}")
-    cfg = _read_config(model_dir)
-    return CacheKey(
-        model=str(model_dir.resolve()),
-        content_digest=checkpoint_digest(model_dir),
-        revision=snapshot_revision(model_dir) if revision is None else revision,
-        dtype=dtype_name(resolve_dtype(model_dir, dtype, config=cfg)),
-        quantization=config_digest(cfg.get("quantization_config")),
-        layout=layout,
-        rank=rank,
-        role=role,
-        engine=engine,
-        engine_version=engine_version() if engine == ENGINE else "",
-    )
 
 
 # ---- building the model ---------------------------------------------------------------------------------------
@@ -177,107 +85,139 @@ def _resolve_device(device) -> torch.device:
     return device
 
 
-def _hf_major() -> int:
-    try:
-        return int(engine_version().split(".")[0])
-    except ValueError:
-        return 5
+class _Bind(LoadingSteps):
+    """The engine's side of ``from_pretrained``: instead of reading the checkpoint, bind the daemon's tensors
+    into the model transformers just built on the meta device (quantizer modules and tensor parallel
+    placeholders included) and re-apply the Python state its loading set; transformers' finalize step (tie,
+    initialise missing and non-persistent tensors) is not run: the daemon's tensors are all of them."""
+
+    def __init__(self, tensors, roles, meta: dict):
+        self.tensors, self.roles, self.meta = tensors, roles, meta
+        self.bound: dict[str, torch.Tensor] = {}
+        self.seconds = {}
+        self.called = False
+
+    def load(self, original, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        from transformers.utils.loading_report import LoadStateDictInfo
+
+        t0 = time.perf_counter()
+        self.called = True
+        self.seconds["skeleton_done"] = t0
+        meta = self.meta
+        frozen = set(meta.get("frozen", ()))
+        apply_deletions(model, meta.get("deleted", ()))
+        try:
+            self.bound = bind_captured(
+                model, self.tensors, self.roles, meta, skip=frozenset({META_NAME}),
+                requires_grad=lambda name, t: name not in frozen and (t.is_floating_point() or t.is_complex()),
+                wrap=_dtensor_like if meta.get("dtensors") else None)
+        except WeightCacheError as e:
+            raise BindError(str(e)) from None
+        apply_scalars(model, meta.get("scalars", {}))
+        mapping = list(load_config.weight_mapping or ())
+        used = meta.get("weight_conversions", [])
+        if any(i >= len(mapping) for i in used):
+            raise BindError(f"the daemon used weight conversions {used} but this engine has {len(mapping)}: "
+                            "it was built with another transformers configuration")
+        model._weight_conversions = [mapping[i] for i in used]
+        left = leftover_meta(model)
+        if left:
+            raise BindError(f"the cache lacks {len(left)} tensor(s) this model reads, e.g. {', '.join(left[:5])}: "
+                            "the daemon was built for another configuration", missing=left)
+        self.seconds["bind"] = time.perf_counter() - t0
+        info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+                                 conversion_errors={}, skipped_pp_keys=set())
+        return info, None
+
+    def finalize(self, original, model, load_config, loading_info):
+        return loading_info
 
 
-def _skip_init():
-    """transformers' own switch that turns torch's init functions and ``init_weights`` into no-ops, as its
-    loaders do (transformers >= 5); elsewhere a no-op context."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        return contextlib.nullcontext()
-    return no_init_weights()
+def _dtensor_like(old, t: torch.Tensor) -> torch.Tensor:
+    """A rank's attached shard as the DTensor transformers' tensor parallel plan made of this parameter."""
+    if getattr(old, "device_mesh", None) is None or not hasattr(old, "placements"):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                              stride=tuple(old.stride()))
 
 
-def _build_meta_model(config, dtype: torch.dtype, model_kwargs: dict):
+def build(model_dir: str | Path, tensors, roles, meta: dict, *, device: torch.device, dtype: torch.dtype,
+          attn_implementation: str | None = None, experts_implementation: str | None = None,
+          trust_remote_code: bool = False, revision: str | None = None, distributed_config=None,
+          hf_kwargs: dict | None = None):
+    """``AutoModelForCausalLM.from_pretrained(model_dir, ...)`` with captured tensors (a daemon's, see
+    ``weightcache.sources.transformers``) bound instead of the checkpoint read; returns (model, seconds:
+    "skeleton" = from the call to the model built on meta, "bind", "rest" = transformers' steps after)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(model_kwargs)
-    kwargs["dtype" if _hf_major() >= 5 else "torch_dtype"] = dtype
-    with torch.device("meta"):
-        with _skip_init():  # random init of meta tensors is wasted work (decomposed uniform_ per Linear)
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        model.init_weights()  # on meta this only ties weights, as post_init would have
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    if plan:  # keep-in-fp32 modules: transformers loads them in their own dtype
-        pattern = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in plan))
-        targets = list(plan.items())
-        for name, p in model.named_parameters():
-            if pattern.search(name):
-                want = next(dt for pat, dt in targets if re.search(pat.replace("*", ".*"), name))
-                p.data = torch.empty(p.shape, dtype=want, device="meta")
-    return model
+    steps = _Bind(tensors, roles, meta)
+    kw = load_kwargs(dtype=dtype, device=device, attn_implementation=attn_implementation,
+                     experts_implementation=experts_implementation, trust_remote_code=trust_remote_code,
+                     revision=revision, distributed_config=distributed_config, extra=hf_kwargs)
+    t0 = time.perf_counter()
+    with intercept_loading(steps):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kw)
+    t_end = time.perf_counter()
+    if not steps.called:
+        raise BindError(f"{type(model).__name__}.from_pretrained did not run transformers' loading step; "
+                        "the cached weights could not be bound")
+    replaced = _replaced(model, steps.bound)
+    if replaced:
+        raise BindError(f"transformers' post-processing replaced {len(replaced)} bound tensor(s), e.g. "
+                        f"{', '.join(replaced[:5])}: this model's quantizer changes weights after loading, which "
+                        "the cache cannot share")
+    seconds = {"skeleton": steps.seconds["skeleton_done"] - t0, "bind": steps.seconds["bind"]}
+    seconds["rest"] = t_end - steps.seconds["skeleton_done"] - seconds["bind"]
+    return model, seconds
 
 
-def _renamed(model, tensors) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> the model's names through transformers' own renamings (legacy names,
-    base-model prefix); fused conversions (e.g. stacked MoE experts) are refused."""
-    expected = set(model.state_dict(keep_vars=True))
-    if all(n in expected for n in tensors):
-        return dict(tensors)
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return dict(tensors)
-    transforms = get_model_conversion_mapping(model, None, None)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta_sd = model.state_dict(keep_vars=True)
-    out = {}
-    for name, t in tensors.items():
-        if name in expected:
-            out[name] = t
+def _replaced(model, bound: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose bound tensor the model no longer holds (replaced after loading)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for name, t in bound.items():
+        try:
+            obj, leaf = owner_of(model, modules, name)
+        except WeightCacheError:
+            out.append(name)
             continue
-        new, conv = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_sd)
-        if conv is not None:
-            raise BindError(
-                f"{name}: the model needs transformers' weight conversion {conv!r} (tensors fused at load "
-                "time); attaching such checkpoints is not supported, load it from disk (fallback=True)"
-            )
-        out[new if new not in out else name] = t
+        if getattr(obj, leaf, None) is not t:
+            out.append(name)
     return out
 
 
-def _generation_config(model, model_dir: Path, trust_remote_code: bool) -> None:
-    """The generation defaults from_pretrained reads (generation_config.json, else the model config)."""
-    if not model.can_generate():
-        return
-    try:
-        model.adjust_generation_fn(
-            None, True, None, str(model_dir), cache_dir=None, force_download=False, proxies=None,
-            local_files_only=True, token=None, revision="main", subfolder="", trust_remote_code=trust_remote_code,
-        )
-    except TypeError:  # another transformers signature
-        from transformers import GenerationConfig
-
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
-        except OSError:
-            pass
-
-
-def _from_disk(path, device: torch.device, dtype: torch.dtype, hf_kwargs: dict):
+def _from_disk(path, device: torch.device, dtype: torch.dtype, kwargs: dict):
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(hf_kwargs)
-    kwargs["dtype" if _hf_major() >= 5 else "torch_dtype"] = dtype
-    if device.type == "cpu":
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    else:
-        try:  # straight onto the device (needs accelerate in some transformers versions)
-            model = AutoModelForCausalLM.from_pretrained(str(path), device_map={"": str(device)}, **kwargs)
-        except ValueError as e:
-            if "accelerate" not in str(e):
-                raise
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(path), **load_kwargs(dtype=dtype, device=device, extra=kwargs))
     model.__dict__["_weightcache_source"] = "disk"
     return model
+
+
+def _parallel_sizes(layout: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"(dp|pp|tp)(\d+)", layout)}
+
+
+def _distributed_config(layout: str, rank: int):
+    """transformers' tensor parallel config for an engine rank of ``layout`` (None without TP)."""
+    sizes = _parallel_sizes(layout)
+    tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
+    if pp > 1 or (tp > 1 and sizes.get("dp", 1) > 1):
+        raise WeightCacheError(
+            f"layout {layout}: from_pretrained binds whole models or transformers' own tensor parallel ranks "
+            "(pp1, and dp1 with tp > 1)")
+    if tp == 1:
+        return None
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    if not dist.is_initialized() or dist.get_world_size() != tp or dist.get_rank() != rank:
+        raise WeightCacheError(
+            f"layout {layout} rank {rank}: a tensor parallel engine runs in a torch.distributed world of "
+            f"{tp} processes (torchrun --nproc-per-node {tp}) whose rank is the cache's rank")
+    return DistributedConfig(tp_size=tp, tp_plan="auto", ep_size=tp if "-ep" in layout else 1)
 
 
 def from_pretrained(
@@ -297,6 +237,7 @@ def from_pretrained(
     role: str = "main",
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
     **hf_kwargs,
 ):
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` on ``device``, with the weights taken from
@@ -307,82 +248,70 @@ def from_pretrained(
     ``fallback``: without a daemon for this checkpoint (none, another version, not ready within ``wait``
     seconds, failed) load from disk with a warning; ``fallback=False`` raises instead. ``mode="map"`` binds
     the daemon's memory zero-copy and read-only (an engine that writes weights needs ``mode="copy"``).
-    The model keeps the attachment (``model._weightcache_attachment``); ``model._weightcache_source`` is
-    "attach" or "disk"."""
+    ``layout``/``rank``: a tensor parallel rank (``dp1-pp1-tp2``, rank = this process's torch.distributed
+    rank) binds its shards into transformers' own tensor parallel model. The model keeps the attachment
+    (``model._weightcache_attachment``); ``model._weightcache_source`` is "attach" or "disk";
+    ``model._weightcache_timings`` has the phases (seconds)."""
     if mode not in ("map", "copy"):
         raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
-    sizes = dict(re.findall(r"(dp|pp|tp)(\d+)", layout))
-    if int(sizes.get("tp", 1)) > 1 or int(sizes.get("pp", 1)) > 1:
-        raise WeightCacheError(
-            f"layout {layout}: from_pretrained binds whole models (pp1, tp1; any dp); a tensor- or pipeline-"
-            "parallel engine takes its rank's shards with weightcache.load_into on its own sharded module"
-        )
+    dist_config = _distributed_config(layout, rank)
     t0 = time.perf_counter()
     model_dir = _local_dir(path, revision)
     device = _resolve_device(device)
-    cfg_json = _read_config(model_dir)
-    torch_dtype = resolve_dtype(model_dir, dtype, config=cfg_json)
-    model_kwargs = {}
+    torch_dtype = resolve_dtype(model_dir, dtype, config=read_config(model_dir))
+    model_kwargs = dict(hf_kwargs)
     if attn_implementation is not None:
         model_kwargs["attn_implementation"] = attn_implementation
+    if experts_implementation is not None:
+        model_kwargs["experts_implementation"] = experts_implementation
     if trust_remote_code:
         model_kwargs["trust_remote_code"] = True
-    disk_kwargs = {**hf_kwargs, **model_kwargs}
     if revision is not None:
-        disk_kwargs["revision"] = revision
+        model_kwargs["revision"] = revision
 
     sdir = Path(socket_dir) if socket_dir is not None else default_socket_dir()
-    key = key_for_checkpoint(model_dir, dtype=torch_dtype, layout=layout, rank=rank, role=role, revision=revision)
+    key = key_for_checkpoint(model_dir, dtype=torch_dtype, layout=layout, rank=rank, role=role, revision=revision,
+                             device=device, experts_implementation=experts_implementation)
     tag = device_tag(device)
     t_key = time.perf_counter()
     wanted = socket_path(sdir, key, tag)
-    if cfg_json.get("quantization_config"):
-        problem: Exception | None = WeightCacheError(
-            f"{model_dir} is quantized ({cfg_json['quantization_config'].get('quant_method', '?')}); the transformers "
-            "engine attaches unquantized checkpoints only"
+    problem: Exception | None = None
+    try:
+        sock = find_socket(sdir, key, tag)
+        att = attach(sock, expect=key, mode=mode, readonly=readonly, wait=wait, timeout=timeout)
+    except DaemonUnavailable as e:
+        problem = DaemonUnavailable(
+            f"no weight cache daemon holds {model_dir} ({key.dtype}, {layout} rank {rank}) for {device}: tried "
+            f"{wanted} ({e}); start one with `weightcache preload --model {model_dir} --dtype {key.dtype} "
+            f"--weight-cache-socket-dir {sdir}`"
         )
-    else:
-        problem = None
-        try:
-            sock = find_socket(sdir, key, tag)
-            att = attach(sock, expect=key, mode=mode, readonly=readonly, wait=wait, timeout=timeout)
-        except DaemonUnavailable as e:
-            problem = DaemonUnavailable(
-                f"no weight cache daemon holds {model_dir} ({key.dtype}, {layout} rank {rank}) for {device}: tried "
-                f"{wanted} ({e}); start one with `weightcache preload --model {model_dir} --dtype {key.dtype} "
-                f"--weight-cache-socket-dir {sdir}`"
-            )
-        except (KeyMismatch, DaemonNotReady, PermissionDenied) as e:
-            problem = e
+    except (KeyMismatch, DaemonNotReady, PermissionDenied) as e:
+        problem = e
     if problem is not None:
         if not fallback:
             raise problem
         warnings.warn(f"weightcache: loading {model_dir} from disk: {problem}", NoDaemonWarning, stacklevel=2)
-        return _from_disk(model_dir, device, torch_dtype, disk_kwargs)
+        if dist_config is not None:
+            model_kwargs["distributed_config"] = dist_config
+        return _from_disk(model_dir, device, torch_dtype, model_kwargs)
 
     t_attach = time.perf_counter()
     try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-        config.name_or_path = str(path)
-        model = _build_meta_model(copy.deepcopy(config), torch_dtype, model_kwargs)
-        t_build = time.perf_counter()
-        bind(model, _renamed(model, att), roles=att.roles, device=att.device, strict=True,
-             ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []))
-        _generation_config(model, model_dir, trust_remote_code)
-        model.eval()
+        meta = read_side_data(att, META_NAME, META_FORMAT, "transformers",
+                              f"the daemon at {sock} holds raw checkpoint "
+                              "tensors, not the model transformers' from_pretrained built: restart it with "
+                              "`weightcache preload --engine transformers` from this weightcache version")
+        model, seconds = build(model_dir, att.tensors, att.roles, meta, device=device, dtype=torch_dtype,
+                               distributed_config=dist_config, hf_kwargs=model_kwargs)
     except BaseException:
         att.close()
         raise
     model.__dict__["_weightcache_attachment"] = att
     model.__dict__["_weightcache_source"] = "attach"
-    t_end = time.perf_counter()
-    model.__dict__["_weightcache_timings"] = {"key": t_key - t0, "attach": t_attach - t_key,
-                                              "build": t_build - t_attach, "bind": t_end - t_build}
+    model.__dict__["_weightcache_timings"] = {"key": t_key - t0, "attach": t_attach - t_key, **seconds}
     log.info("attached %s from %s (%d tensors, %.2f GiB)", model_dir, att.key.model, len(att), att.nbytes / 2**30)
     return model
 
 
-__all__ = ["NoDaemonWarning", "engine_version", "from_pretrained", "key_for_checkpoint", "resolve_dtype",
+__all__ = ["NoDaemonWarning", "build", "engine_version", "from_pretrained", "key_for_checkpoint", "resolve_dtype",
            "snapshot_revision"]
