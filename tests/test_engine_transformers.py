@@ -11,16 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import weightcache as wc
 import weightcache.transformers as wct
-from weightcache.checkpoints import make_llama_checkpoint
+from weightcache.checkpoints import FAMILIES, make_checkpoint, make_fp8_checkpoint, make_llama_checkpoint
 from weightcache.daemon import Daemon
 from weightcache.engines.torch import BindError
 from weightcache.key import checkpoint_digest, config_digest, dtype_name
+from weightcache.layout import Placement
+from weightcache.model_state import parity, python_state, reachable_tensors
 from weightcache.naming import device_tag, socket_path
 from weightcache.sources.safetensors import SafetensorsSource
+from weightcache.sources.transformers import TransformersSource, build_model, capture
+from weightcache.transformers_compat import META_NAME, RULES, UnsupportedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[1, 17, 42, 99, 7, 250]]
@@ -47,16 +52,44 @@ def ckpts(tmp_path_factory):
     }
 
 
-def serve(ckpt, sockdir, *, dtype=None, device="cpu", tensors=None, key=None) -> Daemon:
-    """A daemon holding the checkpoint as preload does for engine "transformers"."""
-    key = key or wct.key_for_checkpoint(ckpt, dtype=dtype)
+def placement(device="cpu") -> Placement:
+    return Placement("main", 0, 0, 0, False, 0, 1, 0, 0, str(device), 1, 1, 1)
+
+
+def serve(ckpt, sockdir, *, dtype=None, device="cpu", edit=None, key=None, **source_args) -> Daemon:
+    """A daemon holding what transformers' from_pretrained builds, as preload does for engine "transformers";
+    ``edit(tensors, roles)`` changes the captured tensors before they are packed."""
+    src = TransformersSource(placement(device), path=str(ckpt), dtype=dtype or "auto", **source_args)
+    key = key or src.key("dp1-pp1-tp1")
     d = Daemon(socket_path(sockdir, key, device_tag(device)), key, device=device)
     d.start()
-    if tensors is None:
-        d.load(SafetensorsSource(ckpt, dtype=wct.resolve_dtype(ckpt, dtype), device=device, progress=False))
+    if edit is None:
+        src.load_into(d)
     else:
-        d.load_tensors(tensors)
+        model, seen = build_model(ckpt, dtype=src.dtype, device=torch.device(device))
+        tensors, roles = capture(model, seen.before, seen.after, seen.conversions_used)
+        edit(tensors, roles)
+        d.load_tensors(tensors, roles)
     return d
+
+
+def engine_state(model) -> dict:
+    """Every tensor the model's forward reads, by every name (parameters, buffers, tensor attributes)."""
+    return reachable_tensors(model, RULES)[0]
+
+
+def assert_same_model(model, ref, prompt=PROMPT):
+    """The attached model is transformers' own: same class, every tensor it reads byte-identical (names,
+    dtypes, shapes, gradients flags), same logits bit for bit."""
+    assert type(model) is type(ref) and model.training == ref.training
+    assert parity(engine_state(ref), engine_state(model)) == []
+    grads = {n: p.requires_grad for n, p in ref.named_parameters()}
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+    ids = torch.tensor(prompt, device=ref.device)
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(ids).logits
+    assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def greedy(model, n=12):
@@ -79,8 +112,8 @@ def test_same_greedy_tokens_and_logits_as_transformers(ckpts, sockdir, which):
         emb = model.model.embed_tokens.weight
         assert emb.data_ptr() == att["model.embed_tokens.weight"].data_ptr()  # zero-copy
         ref = reference(ckpt)
-        assert type(model) is type(ref) and not model.training
-        assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+        assert not model.training
+        assert_same_model(model, ref)
         ref_sd = ref.state_dict()
         for name, t in model.state_dict().items():
             assert t.dtype == ref_sd[name].dtype and torch.equal(t, ref_sd[name]), name
@@ -97,23 +130,23 @@ def test_same_greedy_tokens_and_logits_as_transformers(ckpts, sockdir, which):
             assert model.lm_head.weight is not emb
 
 
-def test_rotary_recomputed_where_init_weights_has_no_rule_for_it(ckpts, sockdir, monkeypatch):
+def test_the_engine_initialises_nothing_every_tensor_is_the_daemons(ckpts, sockdir, monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
     ckpt = ckpts["untied"]
     ref = reference(ckpt)
-    orig = LlamaPreTrainedModel._init_weights
-
-    def without_rotary(self, module):
-        if "RotaryEmbedding" not in type(module).__name__:
-            orig(self, module)
-
-    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", without_rotary)
     with serve(ckpt, sockdir):
+        def no_init(self, module):
+            raise AssertionError("the attach path must not initialise anything")
+
+        monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", no_init)
         model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        att = model._weightcache_attachment
+        assert att.roles["model.rotary_emb.inv_freq"] == "nonpersistent_buffer"
+        assert model.model.rotary_emb.inv_freq.data_ptr() == att["model.rotary_emb.inv_freq"].data_ptr()
         for name in ("inv_freq", "original_inv_freq"):
             assert torch.equal(getattr(model.model.rotary_emb, name), getattr(ref.model.rotary_emb, name)), name
-        assert torch.equal(greedy(model), greedy(ref))
+        assert set(model._weightcache_timings) == {"key", "attach", "skeleton", "bind", "rest"}
 
 
 def test_bf16_from_fp32_checkpoint_casts_like_transformers(ckpts, sockdir):
@@ -243,26 +276,37 @@ def test_other_dtype_in_the_daemon_is_a_key_mismatch(ckpts, sockdir):
         assert any(issubclass(x.category, wct.NoDaemonWarning) and "dtype" in str(x.message) for x in w)
 
 
-def _load(ckpt):
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(ckpt) / "model.safetensors"))
-
-
 def test_missing_tensor_in_the_cache_is_a_clear_error(ckpts, sockdir):
     ckpt = ckpts["untied"]
-    tensors = {k: v for k, v in _load(ckpt).items() if k != "model.layers.1.mlp.down_proj.weight"}
-    with serve(ckpt, sockdir, tensors=tensors):
-        with pytest.raises(BindError, match=r"missing from the cache \(1\):\n\s+model.layers.1.mlp.down_proj.weight"):
+
+    def drop(tensors, roles):
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+
+    with serve(ckpt, sockdir, edit=drop):
+        with pytest.raises(BindError, match=r"the cache lacks 1 tensor\(s\) this model reads, e\.g\. "
+                                            r"model\.layers\.1\.mlp\.down_proj\.weight"):
             wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir)  # not hidden by the fallback
 
 
 def test_wrong_dtype_in_the_cache_is_a_clear_error(ckpts, sockdir):
     ckpt = ckpts["untied"]
-    tensors = dict(_load(ckpt))
-    tensors["model.norm.weight"] = tensors["model.norm.weight"].half()
-    with serve(ckpt, sockdir, tensors=tensors):
-        with pytest.raises(BindError, match=r"model.norm.weight: float32\[64\] vs float16\[64\]"):
+
+    def half(tensors, roles):
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].half()
+
+    with serve(ckpt, sockdir, edit=half):
+        with pytest.raises(BindError, match=r"model.norm.weight is torch.float16\[64\] but the model builds "
+                                            r"torch.float32\[64\]"):
+            wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir)
+
+
+def test_a_daemon_of_raw_checkpoint_tensors_is_refused_clearly(ckpts, sockdir):
+    ckpt = ckpts["untied"]
+    key = wct.key_for_checkpoint(ckpt)
+    with Daemon(socket_path(sockdir, key, "cpu"), key) as d:
+        d.start()
+        d.load(SafetensorsSource(ckpt, progress=False))
+        with pytest.raises(wc.WeightCacheError, match="holds raw checkpoint tensors, not the model transformers'"):
             wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir)
 
 
@@ -319,15 +363,99 @@ def test_key_for_checkpoint(ckpts, tmp_path):
     assert dtype_name(wct.resolve_dtype(ckpt, "auto")) == "float32"
 
 
-def test_quantized_checkpoint_is_refused_on_the_attach_path(ckpts, tmp_path, sockdir):
-    q = tmp_path / "q"
-    q.mkdir()
-    cfg = json.loads((Path(ckpts["untied"]) / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8"}
-    (q / "config.json").write_text(json.dumps(cfg))
-    (q / "model.safetensors").symlink_to(Path(ckpts["untied"]) / "model.safetensors")
-    with pytest.raises(wc.WeightCacheError, match="quantized"):
-        wct.from_pretrained(q, device="cpu", socket_dir=sockdir, fallback=False)
+# ---- every causal LM transformers loads: MoE, quantized, dense families -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    base = tmp_path_factory.mktemp("families")
+    return {f: make_checkpoint(base / f, f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_transformers_own_model(families, sockdir, family):
+    """MoE (fused experts via transformers' weight conversions), DeepSeek-V3 (MLA, shared experts), and the
+    dense families: every tensor the forward reads and the logits are those of a disk load."""
+    ckpt = families[family]
+    with serve(ckpt, sockdir):
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        assert model._weightcache_source == "attach"
+        assert_same_model(model, reference(ckpt))
+        if family in ("mixtral", "qwen3_moe"):  # experts fused at load time, served fused
+            experts = model.model.layers[0].mlp.experts
+            assert experts.gate_up_proj.data_ptr() == model._weightcache_attachment[
+                "model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
+            assert len(model._weight_conversions) == len(reference(ckpt)._weight_conversions) > 0
+        if family in ("qwen2_tied", "gemma2"):
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints through accelerate")
+    base = tmp_path_factory.mktemp("fp8")
+    return {"qwen3": make_fp8_checkpoint(base / "qwen3", "qwen3", hidden_size=256, intermediate_size=384),
+            "qwen3_moe": make_fp8_checkpoint(base / "qwen3_moe", "qwen3_moe", hidden_size=256,
+                                             moe_intermediate_size=128)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_fp8_block_checkpoint_on_cpu_is_what_transformers_makes_of_it(fp8, sockdir, family):
+    """An FP8 block-128 checkpoint (weight_scale_inv per 128 x 128 tile): on a machine without an FP8 GPU
+    transformers' quantizer dequantizes it while loading (the daemon does exactly that); the key says so."""
+    ckpt = fp8[family]
+    with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert w.dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale_inv").shape == (1, 2)  # 128 x 256
+    key = wct.key_for_checkpoint(ckpt, device="cpu")
+    raw = json.loads((Path(ckpt) / "config.json").read_text())["quantization_config"]
+    assert key.quantization not in ("none", config_digest(raw))  # dequantize=True, as the quantizer settled it
+    with serve(ckpt, sockdir):
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        ref = reference(ckpt)
+        assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+        assert_same_model(model, ref)
+        assert not hasattr(model.config, "quantization_config") and not model.is_quantized  # as transformers
+
+
+def test_attention_implementation_is_the_engines_choice(families, sockdir):
+    """Weights do not depend on the attention implementation: an eager engine attaches an sdpa daemon."""
+    ckpt = families["qwen3"]
+    with serve(ckpt, sockdir, attn_implementation="sdpa"):
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False,
+                                    attn_implementation="eager")
+        assert model.config._attn_implementation == "eager"
+        ref = AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager")
+        assert_same_model(model, ref)
+
+
+class _Kernel:  # an object loading might leave on a module
+    pass
+
+
+def test_python_state_loading_set_is_reapplied_and_other_objects_are_refused(families, sockdir):
+    ckpt = families["qwen3"]
+    model, seen = build_model(ckpt, dtype=torch.bfloat16, device=torch.device("cpu"))
+    mlp = model.model.layers[1].mlp
+    mlp.scale_hint, mlp.fused = 0.25, True  # host-side scalars set by loading
+    del model.model.layers[0].mlp.act_fn.__dict__["_is_hf_initialized"]
+    now = python_state(model, RULES)  # what loading left (seen.after), with these changes
+    after = {**seen.after, **{p: now[p] for p in ("model.layers.1.mlp", "model.layers.0.mlp.act_fn")}}
+    tensors, roles = capture(model, seen.before, after, seen.conversions_used)
+    meta = json.loads(bytes(tensors[META_NAME].numpy()))
+    assert meta["scalars"]["model.layers.1.mlp.scale_hint"] == {"v": 0.25}
+    key = wct.key_for_checkpoint(ckpt)
+    with Daemon(socket_path(sockdir, key, "cpu"), key) as d:
+        d.start()
+        d.load_tensors(tensors, roles)
+        attached = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        assert (attached.model.layers[1].mlp.scale_hint, attached.model.layers[1].mlp.fused) == (0.25, True)
+        assert "_is_hf_initialized" not in vars(attached.model.layers[0].mlp.act_fn)
+    model.model.layers[0].self_attn.kernel = _Kernel()
+    after["model.layers.0.self_attn"] = python_state(model, RULES)["model.layers.0.self_attn"]
+    with pytest.raises(UnsupportedModel, match=r"model\.layers\.0\.self_attn\.kernel \(_Kernel\)"):
+        capture(model, seen.before, after)
 
 
 def test_bad_arguments(ckpts, sockdir, tmp_path):
@@ -337,8 +465,10 @@ def test_bad_arguments(ckpts, sockdir, tmp_path):
         wct.from_pretrained(tmp_path / "missing", socket_dir=sockdir)
     with pytest.raises(TypeError, match="dtype"):
         wct.from_pretrained(ckpts["untied"], dtype=3, socket_dir=sockdir)
-    with pytest.raises(wc.WeightCacheError, match="layout dp1-pp1-tp2: from_pretrained binds whole models"):
+    with pytest.raises(wc.WeightCacheError, match="a tensor parallel engine runs in a torch.distributed world of 2"):
         wct.from_pretrained(ckpts["untied"], layout="dp1-pp1-tp2", rank=1, socket_dir=sockdir)
+    with pytest.raises(wc.WeightCacheError, match="layout dp1-pp2-tp1: from_pretrained binds whole models"):
+        wct.from_pretrained(ckpts["untied"], layout="dp1-pp2-tp1", socket_dir=sockdir)
 
 
 def test_module_attribute_access():

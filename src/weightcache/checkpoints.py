@@ -307,6 +307,107 @@ def make_moe_checkpoint(path: str | Path, arch: str = "qwen3_moe", *, dtype: tor
     return path
 
 
+# Small configs of the families the transformers engine is tested with (random weights, made locally).
+FAMILIES = ("llama_rope_scaled", "qwen2_tied", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def family_config(family: str, *, hidden_size: int = 128, num_layers: int = 2, intermediate_size: int = 256,
+                  num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, vocab_size: int = 512,
+                  num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 64):
+    """A small config of one of FAMILIES (dense, MoE, or DeepSeek-V3's MLA + shared experts)."""
+    import transformers as hf
+
+    _validate(hidden_size, num_layers, intermediate_size, num_heads, num_kv_heads, vocab_size)
+    common = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, vocab_size=vocab_size, intermediate_size=intermediate_size,
+                  max_position_embeddings=4096, bos_token_id=SPECIAL_TOKENS.index("<s>"),
+                  eos_token_id=SPECIAL_TOKENS.index("</s>"))
+    if family in ("qwen3_moe", "mixtral"):
+        return moe_config(family, hidden_size=hidden_size, num_layers=num_layers, num_experts=num_experts,
+                          experts_per_token=experts_per_token, moe_intermediate_size=moe_intermediate_size,
+                          num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size)
+    if family == "llama_rope_scaled":
+        return hf.LlamaConfig(head_dim=head_dim, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}, **common)
+    if family == "qwen2_tied":
+        return hf.Qwen2Config(tie_word_embeddings=True, **common)
+    if family == "qwen3":
+        return hf.Qwen3Config(head_dim=head_dim, **common)
+    if family == "gemma2":  # sliding window on alternate layers, logit soft-capping, tied embeddings
+        return hf.Gemma2Config(head_dim=head_dim, sliding_window=4, **common)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj
+        return hf.Phi3Config(**{k: v for k, v in common.items() if k != "bos_token_id"}, bos_token_id=1,
+                             pad_token_id=SPECIAL_TOKENS.index("<pad>"))
+    if family == "deepseek_v3":  # MLA attention, a dense first layer, routed + shared experts
+        return hf.DeepseekV3Config(
+            q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+            n_routed_experts=num_experts, n_shared_experts=1, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=moe_intermediate_size, first_k_dense_replace=1, n_group=1, topk_group=1,
+            **{**common, "num_key_value_heads": num_heads})
+    raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def make_checkpoint(path: str | Path, family: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                    **shape) -> Path:
+    """Write a random-weight checkpoint of one of FAMILIES (Hugging Face layout) plus tokenizer."""
+    config = family_config(family, **shape)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _save_with_transformers(path, config, dtype, seed, None)
+    make_tokenizer(path, config.vocab_size)
+    return path
+
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def _is_fp8_target(name: str, shape) -> bool:
+    """The linear weights an FP8 block-quantized checkpoint (DeepSeek-V3, Qwen3-FP8) stores in FP8: every
+    projection and expert weight; embeddings, the LM head, norms and routers stay in bf16."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    owner = name[: -len(".weight")]
+    leaf = owner.rsplit(".", 1)[-1]
+    return "proj" in leaf or ".experts." in name or leaf in ("w1", "w2", "w3")
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 ``weight_scale_inv`` per ``block`` x ``block`` tile): ``w`` ~ q * s."""
+    out_f, in_f = w.shape
+    rows, cols = -(-out_f // block), -(-in_f // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[:out_f, :in_f] = w.float()
+    tiles = padded.view(rows, block, cols, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows * block, cols * block)[:out_f, :in_f].contiguous(), scale.contiguous()
+
+
+def make_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, **shape) -> Path:
+    """A random checkpoint of ``family`` quantized as DeepSeek-V3 and Qwen3-FP8 ship: each linear weight in
+    float8_e4m3fn per 128 x 128 block with a float32 ``weight_scale_inv``, the rest in bf16, and
+    ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    make_checkpoint(path, family, dtype=torch.bfloat16, seed=seed, **shape)
+    tensors = load_file(str(path / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if _is_fp8_target(name, t.shape):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t)
+        else:
+            out[name] = t
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 def _save_with_transformers(path: Path, config, dtype: torch.dtype, seed: int, max_shard_bytes) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -63,15 +63,16 @@ def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory (or use --model)")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (Hugging Face layout: config.json + *.safetensors)")
     p.add_argument("--engine", choices=ENGINES, default="transformers",
-                   help="who produces the weights: the plain checkpoint source (transformers/safetensors, "
-                        "default) or vLLM's own loader (vllm)")
+                   help="who produces the weights: transformers' own from_pretrained (transformers, default; "
+                        "MoE, quantized checkpoints, its tensor/expert parallel plans), the raw checkpoint "
+                        "tensors sharded by a TP plan (safetensors) or vLLM's own loader (vllm)")
     p.add_argument("--revision", default="", metavar="REV", help="model revision recorded in the cache key")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16, float32, ...")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the weights live (default: cuda when available, else cpu)")
     p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
-                   help="tensor-parallel plan (pattern -> colwise/rowwise/...); default: transformers' plan "
-                        "for the model's architecture")
+                   help="--engine safetensors: tensor-parallel plan (pattern -> colwise/rowwise/...); default: "
+                        "transformers' plan for the model's architecture")
     par = p.add_argument_group("parallel layout (as vLLM)")
     par.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N")
     par.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N")
@@ -216,14 +217,58 @@ def checkpoint_source(placement, *, path: str, dtype: str = "auto", tp_plan=None
     )
 
 
-def transformers_key(source, placement, *, layout: str, role: str, path: str, dtype: str, revision: str):
-    """The key the transformers engine expects (engines.transformers.key_for_checkpoint)."""
-    from .engines.transformers import key_for_checkpoint
+def transformers_source(placement, **kwargs):
+    """transformers' own from_pretrained, run in each daemon process for its placement."""
+    from .sources.transformers import TransformersSource
 
-    key = key_for_checkpoint(path, dtype=dtype, layout=layout, rank=placement.rank, role=role,
-                             revision=revision or None)
-    plan = source.key_fields().get("tp_plan")
-    return key.replace(extra={**key.extra, "tp_plan": plan}) if plan else key
+    return TransformersSource(placement, **kwargs)
+
+
+def transformers_key(source, placement, *, layout: str, role: str, **_):
+    """The key the transformers engine expects (``key_for_checkpoint``), computed by the source."""
+    from .sources.transformers import make_key
+
+    return make_key(source, placement, layout=layout, role=role)
+
+
+def _check_transformers_layout(args, path: str) -> None:
+    """Refuse, before any daemon starts, a layout transformers' own loader cannot build."""
+    tp = args.tensor_parallel_size
+    if args.pipeline_parallel_size > 1:
+        raise UsageError("--engine transformers has no pipeline-parallel split; use --pipeline-parallel-size 1 "
+                         "or --engine vllm")
+    if args.tp_plan:
+        raise UsageError("--tp-plan applies to --engine safetensors; --engine transformers shards with "
+                         "transformers' own plan")
+    if tp == 1:
+        if args.enable_expert_parallel:
+            raise UsageError("--enable-expert-parallel with --engine transformers spreads the experts over the "
+                             "tensor-parallel ranks (transformers' expert parallel plan): add -tp N")
+        return
+    if args.data_parallel_size > 1:
+        raise UsageError(f"--engine transformers with -tp {tp}: transformers' tensor parallel world is the TP "
+                         "group alone; use --data-parallel-size 1, or --engine vllm")
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise UsageError(f"model {path}: transformers cannot read its config: {e}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan = "base_model_ep_plan" if args.enable_expert_parallel else "base_model_tp_plan"
+    if not getattr(text, plan, None):
+        what = "expert parallel" if args.enable_expert_parallel else "tensor parallel"
+        raise UsageError(f"model {path} ({type(config).__name__}): transformers has no {what} plan for it "
+                         f"({plan} is empty), so it cannot shard it over -tp {tp}; use -tp 1, --engine vllm, or "
+                         "--engine safetensors --tp-plan ... for your own sharded module")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _tp_plan(text: str | None):
@@ -287,12 +332,15 @@ def _preload(args) -> int:
     except (OSError, WeightCacheError) as e:
         raise UsageError(f"socket directory: {e}") from None
 
-    if args.pipeline_parallel_size > 1:
-        raise UsageError("the checkpoint source has no pipeline-parallel split; use --pipeline-parallel-size 1 "
-                         "or --engine vllm")
-    if args.enable_expert_parallel:
-        raise UsageError("the checkpoint source does not shard experts over DP x TP; drop "
-                         "--enable-expert-parallel or use --engine vllm")
+    if args.engine == "transformers":
+        _check_transformers_layout(args, model)
+    else:
+        if args.pipeline_parallel_size > 1:
+            raise UsageError("the checkpoint source has no pipeline-parallel split; use --pipeline-parallel-size 1 "
+                             "or --engine vllm")
+        if args.enable_expert_parallel:
+            raise UsageError("the checkpoint source does not shard experts over DP x TP; drop "
+                             "--enable-expert-parallel or use --engine transformers / vllm")
     dtype = args.dtype
     if dtype not in ("auto", ""):
         from .key import parse_dtype
@@ -315,20 +363,25 @@ def _preload(args) -> int:
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":
-            from .engines.transformers import resolve_dtype
             from .key import dtype_name
+            from .transformers_compat import resolve_dtype
 
             try:
                 src_dtype = dtype_name(resolve_dtype(path, dtype))  # what from_pretrained would load
             except (OSError, ValueError) as e:
                 raise UsageError(f"{role} model {path}: {e}") from None
-            make_key = transformers_key
-            key_args = {"path": str(path), "dtype": src_dtype, "revision": args.revision}
-        else:
-            make_key, key_args, src_dtype = None, {"revision": args.revision}, dtype
+            if args.tensor_parallel_size > 1 and not port:
+                port = _free_port()  # the daemons' own torch.distributed world meets there
+            groups.append(Group(
+                role=role, layout=layout, make_source=transformers_source, make_key=transformers_key,
+                source_args={"path": str(path), "dtype": src_dtype, "revision": args.revision, "role": role,
+                             "enable_expert_parallel": args.enable_expert_parallel, "master_addr": master_addr,
+                             "master_port": port},
+                master_addr=master_addr, master_port=port, info={"engine": args.engine}))
+            continue
         groups.append(Group(role=role, layout=layout, make_source=checkpoint_source,
-                            source_args={"path": str(path), "dtype": src_dtype, "tp_plan": tp_plan},
-                            make_key=make_key, key_args=key_args, master_addr=master_addr, master_port=port,
+                            source_args={"path": str(path), "dtype": dtype, "tp_plan": tp_plan},
+                            key_args={"revision": args.revision}, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
     return run_supervisor(groups, socket_dir, args, args.log_level)
 

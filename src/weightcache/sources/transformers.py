@@ -172,7 +172,7 @@ class TransformersSource:
         p = self.placement
         try:
             dist_config = None
-            if p.world_size > 1:
+            if p.tp_size > 1:
                 _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
                 dist_config = distributed_config_for(p, self.enable_expert_parallel)
             model, seen = build_model(self.path, dtype=self.dtype, device=self.device,
