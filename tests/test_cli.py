@@ -138,10 +138,13 @@ def test_loopback_nodes_only_on_request():
 
 @pytest.mark.parametrize("extra, msg", [
     (["-pp", "2"], "no pipeline-parallel split"),
-    (["-ep"], "does not shard experts"),
+    (["-ep"], "spreads the experts over the tensor-parallel ranks"),
+    (["--engine", "safetensors", "-ep"], "does not shard experts"),
+    (["-tp", "2", "-dp", "2"], "transformers' tensor parallel world is the TP group alone"),
+    (["--tp-plan", "{}"], "--tp-plan applies to --engine safetensors"),
     (["--dtype", "float77"], "--dtype: unknown dtype 'float77'"),
-    (["--tp-plan", "{not json"], "--tp-plan"),
-    (["--tp-plan", '{"a": 1}'], "--tp-plan must map tensor patterns to styles"),
+    (["--engine", "safetensors", "--tp-plan", "{not json"], "--tp-plan"),
+    (["--engine", "safetensors", "--tp-plan", '{"a": 1}'], "--tp-plan must map tensor patterns to styles"),
     (["--speculative-config", "[1]"], "--speculative-config must be a JSON object"),
     (["--speculative-config", '{"model": "/nowhere"}'], "--speculative-model /nowhere: no such file"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "-tp", "2"], "pass --weight-cache-master-port"),
@@ -243,3 +246,17 @@ def test_human_units():
     assert human_duration(2 * 86400 + 3600) == "2d01h"
     assert format_table([], "/x") == "no weight cache daemons in /x"
 
+
+
+def test_tensor_parallel_needs_a_transformers_plan(tmp_path, capsys):
+    """Refused before any daemon starts: transformers has no tensor parallel plan for GPT-2."""
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (d / "model.safetensors").write_bytes(b"\0" * 16)
+    code, err = preload(d, "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s", capsys=capsys)
+    assert code == 2 and "transformers has no tensor parallel plan for it (base_model_tp_plan is empty)" in err
+    code, err = preload(d, "-tp", "2", "-ep", "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s",
+                        capsys=capsys)
+    assert code == 2 and "no expert parallel plan" in err and not (tmp_path / "s").exists() or \
+        not list((tmp_path / "s").glob("*.sock"))

@@ -531,3 +531,65 @@ def test_gpu_bench_restart_smoke(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["engine"] for r in rows} == {"transformers", "weightcache", "cuda_ipc"}
+
+
+TP_ENGINE = r"""
+import os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+import weightcache.transformers as wct
+from weightcache.model_state import parity, reachable_tensors
+from weightcache.transformers_compat import RULES
+ep = {ep!r}
+m = wct.from_pretrained({ckpt!r}, device="cpu", socket_dir={sockdir!r}, fallback=False,
+                        layout="dp1-pp1-tp2" + ("-ep2" if ep else ""), rank=rank)
+assert m._weightcache_source == "attach"
+ref = AutoModelForCausalLM.from_pretrained({ckpt!r}, distributed_config=DistributedConfig(
+    tp_size=2, tp_plan="auto", **({{"ep_size": 2}} if ep else {{}})))
+diffs = parity(reachable_tensors(ref, RULES)[0], reachable_tensors(m, RULES)[0])
+assert diffs == [], diffs
+ids = torch.tensor({prompt!r})
+with torch.no_grad():
+    a, b = m(ids).logits, ref(ids).logits
+a, b = (x.to_local() if hasattr(x, "to_local") else x for x in (a, b))
+assert torch.equal(a, b), (a - b).abs().max()
+print("OK", rank, type(m.model.layers[0].self_attn.q_proj.weight).__name__, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep):
+    """`preload -tp 2 [-ep]` of a MoE: each daemon runs transformers' own tensor (expert) parallel loading; a
+    tensor parallel engine (two processes) binds its rank's shards into transformers' own DTensor model and
+    computes the logits a disk load in the same world computes, bit for bit."""
+    import socket
+
+    ckpt = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_heads=4, num_kv_heads=2)
+    log = open(tmp_path / "preload.log", "w+")
+    args = ["-ep"] if ep else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(ckpt), "-tp", "2", *args,
+         "--device", "cpu", "--weight-cache-socket-dir", sockdir], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = ""
+        while "READY" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, (tmp_path / "preload.log").read_text()
+        assert "(dp1-pp1-tp2" in line
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        code = TP_ENGINE.format(port=port, ckpt=str(ckpt), sockdir=sockdir, prompt=PROMPT, ep=ep)
+        engines = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        outs = [e.communicate(timeout=300)[0] for e in engines]
+        for r, (e, out) in enumerate(zip(engines, outs, strict=True)):
+            assert e.returncode == 0 and f"OK {r} DTensor" in out, out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()

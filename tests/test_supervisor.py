@@ -224,7 +224,8 @@ def test_bad_file_fails_every_rank(ckpts, env, tmp_path, preloads):
     f = bad / "model.safetensors"
     os.truncate(f, f.stat().st_size - 1000)
     sdir = tmp_path / "s"
-    p = Preload([bad, "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", sdir], env, tmp_path)
+    p = Preload([bad, "--engine", "safetensors", "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", sdir],
+                env, tmp_path)
     preloads.append(p)
     rc = p.wait(120)
     err = p.stderr
@@ -247,7 +248,7 @@ def test_missing_tensor_fails_clearly(ckpts, env, tmp_path, preloads):
     meta["weight_map"]["model.layers.0.mlp.extra_proj.weight"] = sorted(set(meta["weight_map"].values()))[0]
     index.write_text(json.dumps(meta))
     sdir = tmp_path / "s"
-    p = Preload([bad, "--device", "cpu", "--weight-cache-socket-dir", sdir], env, tmp_path)
+    p = Preload([bad, "--engine", "safetensors", "--device", "cpu", "--weight-cache-socket-dir", sdir], env, tmp_path)
     preloads.append(p)
     rc = p.wait(120)
     err = p.stderr

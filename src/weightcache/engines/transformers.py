@@ -217,7 +217,7 @@ def _distributed_config(layout: str, rank: int):
         raise WeightCacheError(
             f"layout {layout} rank {rank}: a tensor parallel engine runs in a torch.distributed world of "
             f"{tp} processes (torchrun --nproc-per-node {tp}) whose rank is the cache's rank")
-    return DistributedConfig(tp_size=tp, tp_plan="auto", ep_size=tp if "-ep" in layout else 1)
+    return DistributedConfig(tp_size=tp, tp_plan="auto", **({"ep_size": tp} if "-ep" in layout else {}))
 
 
 def from_pretrained(
