@@ -261,6 +261,38 @@ def intercept_loading(steps: LoadingSteps):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def skip_init_on_meta():
+    """torch's init functions return at once for meta tensors (there is nothing to fill; transformers builds the
+    model on the meta device and still runs each ``nn.Linear``'s random init on it); real tensors are
+    initialised as usual, so other threads and anything built off the meta device are unaffected."""
+    import sys
+
+    try:
+        from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH
+    except ImportError:
+        TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH = {}, ()
+    saved = []
+    for module_name in TORCH_MODULES_TO_PATCH:
+        module = sys.modules.get(module_name)
+        for fname in TORCH_INIT_FUNCTIONS:
+            fn = getattr(module, fname, None) if module is not None else None
+            if fn is None or getattr(fn, "_weightcache_meta_skip", False):
+                continue
+
+            def skipping(tensor, *args, _fn=fn, **kwargs):
+                return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else _fn(tensor, *args, **kwargs)
+
+            skipping._weightcache_meta_skip = True
+            saved.append((module, fname, fn))
+            setattr(module, fname, skipping)
+    try:
+        yield
+    finally:
+        for module, fname, fn in reversed(saved):
+            setattr(module, fname, fn)
+
+
 def load_kwargs(*, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None,
                 experts_implementation: str | None = None, trust_remote_code: bool = False,
                 revision: str | None = None, distributed_config=None, extra: dict | None = None) -> dict:

@@ -44,6 +44,7 @@ from ..transformers_compat import (
     load_kwargs,
     read_config,
     resolve_dtype,
+    skip_init_on_meta,
     snapshot_revision,
 )
 from .torch import BindError
@@ -157,7 +158,7 @@ def build(model_dir: str | Path, tensors, roles, meta: dict, *, device: torch.de
                      experts_implementation=experts_implementation, trust_remote_code=trust_remote_code,
                      revision=revision, distributed_config=distributed_config, extra=hf_kwargs)
     t0 = time.perf_counter()
-    with intercept_loading(steps):
+    with intercept_loading(steps), skip_init_on_meta():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kw)
     t_end = time.perf_counter()
     if not steps.called:
