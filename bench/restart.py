@@ -1,19 +1,21 @@
 """Restart benchmark: a fresh engine process to its first generated token, three ways.
 
-For each random-weight Llama-shaped checkpoint (written once into --ckpt-dir and reused), several fresh engine
-processes each load the model and generate one token greedily:
+For each random-weight checkpoint (Llama-shaped dense models, or a Qwen3-MoE-shaped one; written once into
+--ckpt-dir and reused), several fresh engine processes each load the model and generate one token greedily:
 
   transformers  AutoModelForCausalLM.from_pretrained from a warm page cache (straight onto the device)
-  weightcache   weightcache.transformers.from_pretrained attaching the weights a daemon holds (zero-copy map)
-  cuda_ipc      legacy CUDA IPC: a producer holds the same tensors and shares them per tensor through
+  weightcache   weightcache.transformers.from_pretrained attaching the weights a daemon holds (zero-copy map);
+                the daemon built them with transformers' own from_pretrained (weightcache.sources.transformers)
+  cuda_ipc      legacy CUDA IPC: a producer builds the same model the same way and shares every tensor through
                 torch.multiprocessing.reductions (what vLLM's and SGLang's weight caches do); the engine
-                rebuilds every tensor and binds them into a meta-built model with the same binder
+                rebuilds every tensor and binds them with the same code as weightcache
 
 Each engine reports its phases (interpreter + imports, CUDA context, weight load = the call that returns a
 ready model, tokenizer + first token) and the device memory it added; the whole restart is measured from the
 parent's spawn to the first token. All engines must produce the same first token.
 
     python bench/restart.py --models 8b 32b --runs 3 --ckpt-dir /data/wc-bench   # H200 (8b ~16 GB, 32b ~66 GB)
+    python bench/restart.py --models 30b-a3b --runs 3 --ckpt-dir /dev/shm/wcb   # MoE, Qwen3-30B-A3B-shaped, ~61 GB
     python bench/restart.py --models tiny --runs 2 --device cpu --ckpt-dir /tmp/wcb   # smoke test anywhere
     python bench/restart.py --plot-only bench/results/restart-cuda.json               # redraw the plot
 
@@ -53,6 +55,12 @@ PRESETS = {  # Llama-3-8B and a 32B (Qwen2.5-32B-like) shape in the Llama archit
     "32b": dict(hidden_size=5120, num_layers=64, intermediate_size=27648, num_heads=40, num_kv_heads=8,
                 vocab_size=152064),
 }
+MOE_PRESETS = {  # Qwen3-30B-A3B's shape (48 layers, 128 experts, 8 active): ~30.5B parameters, ~61 GB bf16
+    "30b-a3b": dict(hidden_size=2048, num_layers=48, num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+                    num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936),
+    "tiny-moe": dict(hidden_size=256, num_layers=2, num_experts=8, experts_per_token=2, moe_intermediate_size=128,
+                     num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1024),
+}
 SHARD_BYTES = 2 << 30  # many shards: the digest is computed in parallel, loaders get parallelism
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -61,21 +69,33 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PAR
 # ---------------------------------------------------------------- checkpoints (written once)
 
 def preset_shapes(name: str) -> dict:
+    if name in MOE_PRESETS:
+        return dict(MOE_PRESETS[name])
     if name in PRESETS:
         return dict(PRESETS[name])
     if name.endswith("gb"):
         from weightcache.checkpoints import llama_config_for_bytes
 
         return llama_config_for_bytes(int(float(name[:-2]) * 1e9))
-    raise SystemExit(f"unknown model {name!r}: one of {sorted(PRESETS)} or a size such as 24gb")
+    raise SystemExit(f"unknown model {name!r}: one of {sorted(PRESETS) + sorted(MOE_PRESETS)} or a size such as 24gb")
+
+
+def _moe_bytes(shapes: dict, dtype: torch.dtype) -> int:
+    import math
+
+    from weightcache.checkpoints import moe_config, qwen3_moe_param_shapes
+
+    esz = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(s) for s in qwen3_moe_param_shapes(moe_config("qwen3_moe", **shapes)).values()) * esz
 
 
 def ensure_checkpoint(ckpt_dir: Path, name: str, dtype: torch.dtype) -> tuple[Path, dict]:
-    from weightcache.checkpoints import estimate_llama_bytes, make_llama_checkpoint
+    from weightcache.checkpoints import estimate_llama_bytes, make_llama_checkpoint, make_moe_checkpoint
 
     shapes = preset_shapes(name)
-    nbytes = estimate_llama_bytes(dtype=dtype, **shapes)
-    path = ckpt_dir / f"llama-{name}-{str(dtype).removeprefix('torch.')}"
+    moe = name in MOE_PRESETS
+    nbytes = _moe_bytes(shapes, dtype) if moe else estimate_llama_bytes(dtype=dtype, **shapes)
+    path = ckpt_dir / f"{'qwen3moe' if moe else 'llama'}-{name}-{str(dtype).removeprefix('torch.')}"
     stamp = path / ".bench-complete"
     want = json.dumps({"shapes": shapes, "dtype": str(dtype)}, sort_keys=True)
     info = {"shapes": shapes, "bytes": nbytes}
@@ -89,8 +109,12 @@ def ensure_checkpoint(ckpt_dir: Path, name: str, dtype: torch.dtype) -> tuple[Pa
         raise SystemExit(f"[{name}] needs {nbytes / 1e9:.1f} GB in {ckpt_dir}, only {free / 1e9:.1f} GB free: "
                          "pass another --ckpt-dir (e.g. /dev/shm/...) or a smaller model")
     t0 = time.perf_counter()
-    make_llama_checkpoint(path, dtype=dtype, seed=0, max_shard_bytes=SHARD_BYTES, direct=nbytes > (1 << 30),
-                          **shapes)
+    if moe:
+        make_moe_checkpoint(path, "qwen3_moe", dtype=dtype, seed=0, max_shard_bytes=SHARD_BYTES,
+                            direct=nbytes > (1 << 30), **shapes)
+    else:
+        make_llama_checkpoint(path, dtype=dtype, seed=0, max_shard_bytes=SHARD_BYTES, direct=nbytes > (1 << 30),
+                              **shapes)
     info["write_seconds"] = time.perf_counter() - t0
     print(f"[{name}] wrote {path} ({nbytes / 1e9:.1f} GB) in {info['write_seconds']:.1f} s", flush=True)
     stamp.write_text(want)
@@ -125,38 +149,42 @@ def warm_page_cache(path: Path) -> None:
 # ---------------------------------------------------------------- producers (their own processes)
 
 def run_daemon(model: str, socket_dir: str, device: str, dtype: str) -> None:
-    import weightcache.transformers as wct
+    """What `weightcache preload --model MODEL` runs for one rank: transformers' from_pretrained, captured."""
     from weightcache.daemon import Daemon
-    from weightcache.key import parse_dtype
+    from weightcache.layout import Placement
     from weightcache.naming import device_tag, socket_path
-    from weightcache.sources.safetensors import SafetensorsSource
+    from weightcache.sources.transformers import TransformersSource
 
-    dt = parse_dtype(dtype)
-    key = wct.key_for_checkpoint(model, dtype=dt)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    src = TransformersSource(Placement("main", 0, 0, 0, False, 0, 1, dev.index or 0, 0, device, 1, 1, 1),
+                             path=model, dtype=dtype)
+    key = src.key("dp1-pp1-tp1")
     d = Daemon(socket_path(socket_dir, key, device_tag(device)), key, device=device)
     d.start()
     t0 = time.perf_counter()
-    d.load(SafetensorsSource(model, dtype=dt, device=device, progress=False))
-    print("READY " + json.dumps({"load_seconds": time.perf_counter() - t0, "nbytes": d.status().nbytes}), flush=True)
+    src.load_into(d)
+    st = d.status()
+    print("READY " + json.dumps({"load_seconds": time.perf_counter() - t0, "nbytes": st.nbytes,
+                                 "peak_device_bytes": st.peak_device_bytes}), flush=True)
     d.serve_forever()
 
 
 def run_ipc_producer(model: str, target: str, device: str, dtype: str) -> None:
     import pickle
 
-    from safetensors.torch import load_file
     from torch.multiprocessing.reductions import reduce_tensor
 
     from weightcache.key import parse_dtype
+    from weightcache.sources.transformers import build_model, capture
 
     dt = parse_dtype(dtype)
     t0 = time.perf_counter()
-    tensors = {}
-    for f in sorted(Path(model).glob("*.safetensors")):
-        for n, t in load_file(str(f), device=device).items():
-            tensors[n] = t.to(dt) if t.is_floating_point() else t
+    m, seen = build_model(model, dtype=dt, device=torch.device(device))
+    tensors, roles = capture(m, seen.before, seen.after, seen.conversions_used)
     torch.cuda.synchronize()
-    Path(target).write_bytes(pickle.dumps([(n, reduce_tensor(t)) for n, t in tensors.items()]))
+    Path(target).write_bytes(pickle.dumps([(n, roles[n], reduce_tensor(t)) for n, t in tensors.items()]))
     print("READY " + json.dumps({"load_seconds": time.perf_counter() - t0}), flush=True)
     while True:
         time.sleep(3600)
@@ -182,6 +210,12 @@ def engine(method: str, model: str, device: str, dtype: str, socket_dir: str, ip
     import weightcache.transformers as wct
     from weightcache.key import parse_dtype
 
+    import importlib
+
+    # The model's modeling module: every engine imports it (transformers does inside from_pretrained); counted
+    # with the imports so that the weight-load phase is the same work for all three.
+    model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     dt = parse_dtype(dtype)
     cuda = device.startswith("cuda")
     phases = {}
@@ -208,21 +242,18 @@ def engine(method: str, model: str, device: str, dtype: str, socket_dir: str, ip
     elif method == "cuda_ipc":
         import pickle
 
-        from transformers import AutoConfig
-
-        from weightcache.engines.torch import bind
-        from weightcache.engines.transformers import _build_meta_model, _generation_config
+        from weightcache.engines.transformers import build
+        from weightcache.model_state import read_side_data
+        from weightcache.transformers_compat import META_FORMAT, META_NAME
 
         payload = pickle.loads(Path(ipc_file).read_bytes())
         t = time.perf_counter()
-        tensors = {n: fn(*a) for n, (fn, a) in payload}
+        tensors = {n: fn(*a) for n, _, (fn, a) in payload}
+        roles = {n: r for n, r, _ in payload}
         phases["rebuild"] = time.perf_counter() - t
-        m = _build_meta_model(AutoConfig.from_pretrained(model), dt, {})
-        t = time.perf_counter()
-        bind(m, tensors, device=torch.device(device))
-        phases["bind"] = time.perf_counter() - t
-        _generation_config(m, Path(model), False)
-        m.eval()
+        meta = read_side_data(tensors, META_NAME, META_FORMAT, "transformers", "no side data")
+        m, seconds = build(model, tensors, roles, meta, device=torch.device(device), dtype=dt)
+        phases.update(seconds)
     else:
         raise ValueError(method)
     if cuda:

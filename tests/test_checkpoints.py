@@ -169,3 +169,19 @@ def test_vllm_generates_what_transformers_generates(tiny):
     ids = tok("hello world", return_tensors="pt")
     want = AutoModelForCausalLM.from_pretrained(tiny).generate(**ids, max_new_tokens=5, do_sample=False)
     assert got == want[0, ids["input_ids"].shape[1]:].tolist()
+
+
+def test_moe_checkpoint_written_directly_loads_like_a_saved_one(tmp_path):
+    """The benchmark's MoE checkpoints are written shard by shard; transformers loads them (experts fused)."""
+    from transformers import AutoModelForCausalLM
+
+    from weightcache.checkpoints import make_moe_checkpoint
+
+    direct = make_moe_checkpoint(tmp_path / "d", "qwen3_moe", direct=True, max_shard_bytes=200_000)
+    saved = make_moe_checkpoint(tmp_path / "s", "qwen3_moe")
+    a, b = (AutoModelForCausalLM.from_pretrained(str(p)) for p in (direct, saved))
+    assert {n: (t.shape, t.dtype) for n, t in a.state_dict().items()} == \
+        {n: (t.shape, t.dtype) for n, t in b.state_dict().items()}
+    assert (direct / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        assert torch.isfinite(a(torch.tensor([[1, 2, 3]])).logits).all()

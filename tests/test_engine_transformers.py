@@ -522,6 +522,49 @@ def test_gpu_bf16_same_tokens_as_transformers(ckpts, sockdir, which):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_every_family_is_transformers_own_model(families, sockdir, family):
+    """bf16 on the GPU: the daemon's from_pretrained on cuda, mapped zero-copy; every tensor and the logits are
+    those of ``from_pretrained(device_map=cuda)``."""
+    ckpt = families[family]
+    with serve(ckpt, sockdir, device="cuda"):
+        free0 = torch.cuda.mem_get_info()[0]
+        model = wct.from_pretrained(ckpt, device="cuda", socket_dir=sockdir, fallback=False)
+        assert free0 - torch.cuda.mem_get_info()[0] < 64 << 20  # mapped, not copied
+        assert model.lm_head.weight.device.type == "cuda"
+        ref = AutoModelForCausalLM.from_pretrained(str(ckpt), device_map={"": "cuda:0"})
+        assert_same_model(model, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_gpu_fp8_block_checkpoint_stays_fp8(fp8, sockdir, family):
+    """On an FP8 GPU transformers keeps the checkpoint in FP8 (FP8Linear / FP8Experts with per-block
+    ``weight_scale_inv``): the daemon holds exactly those tensors and the engine binds them zero-copy."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    ckpt = fp8[family]
+    with serve(ckpt, sockdir, device="cuda"):
+        model = wct.from_pretrained(ckpt, device="cuda", socket_dir=sockdir, fallback=False)
+        att = model._weightcache_attachment
+        q = model.model.layers[0].self_attn.q_proj
+        assert type(q).__name__ == "FP8Linear" and q.weight.dtype == torch.float8_e4m3fn
+        assert q.weight_scale_inv.dtype == torch.float32 and q.weight_scale_inv.shape == (1, 2)
+        assert q.weight_scale_inv.data_ptr() == att["model.layers.0.self_attn.q_proj.weight_scale_inv"].data_ptr()
+        ref = AutoModelForCausalLM.from_pretrained(str(ckpt), device_map={"": "cuda:0"})
+        assert parity(engine_state(ref), engine_state(model)) == []
+        assert model.is_quantized and model.config.quantization_config.to_dict() == \
+            ref.config.quantization_config.to_dict()
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+        try:
+            load_finegrained_fp8_kernel()
+        except ImportError as e:
+            pytest.skip(f"every tensor matches; transformers' FP8 kernel is not available here to run it: {e}")
+        assert_same_model(model, ref)
+
+
+@pytest.mark.gpu
 def test_gpu_bench_restart_smoke(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "restart.py"), "--models", "tiny", "--runs", "1",
@@ -536,33 +579,43 @@ def test_gpu_bench_restart_smoke(tmp_path):
 TP_ENGINE = r"""
 import os, sys, torch, torch.distributed as dist
 rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+os.environ["LOCAL_RANK"] = str(rank)
+device = "cpu" if {device!r} == "cpu" else f"cuda:{{rank}}"
+if device != "cpu":
+    torch.cuda.set_device(rank)
+dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method="tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 import weightcache.transformers as wct
 from weightcache.model_state import parity, reachable_tensors
 from weightcache.transformers_compat import RULES
 ep = {ep!r}
-m = wct.from_pretrained({ckpt!r}, device="cpu", socket_dir={sockdir!r}, fallback=False,
+m = wct.from_pretrained({ckpt!r}, device=device, socket_dir={sockdir!r}, fallback=False,
                         layout="dp1-pp1-tp2" + ("-ep2" if ep else ""), rank=rank)
 assert m._weightcache_source == "attach"
 ref = AutoModelForCausalLM.from_pretrained({ckpt!r}, distributed_config=DistributedConfig(
     tp_size=2, tp_plan="auto", **({{"ep_size": 2}} if ep else {{}})))
 diffs = parity(reachable_tensors(ref, RULES)[0], reachable_tensors(m, RULES)[0])
 assert diffs == [], diffs
-ids = torch.tensor({prompt!r})
+ids = torch.tensor({prompt!r}, device=device)
 with torch.no_grad():
     a, b = m(ids).logits, ref(ids).logits
 a, b = (x.to_local() if hasattr(x, "to_local") else x for x in (a, b))
+assert a.device == torch.device(device)
 assert torch.equal(a, b), (a - b).abs().max()
 print("OK", rank, type(m.model.layers[0].self_attn.q_proj.weight).__name__, flush=True)
 dist.destroy_process_group()
 """
 
 
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
-def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep):
+def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep, device):
     """`preload -tp 2 [-ep]` of a MoE: each daemon runs transformers' own tensor (expert) parallel loading; a
     tensor parallel engine (two processes) binds its rank's shards into transformers' own DTensor model and
     computes the logits a disk load in the same world computes, bit for bit."""
@@ -573,7 +626,7 @@ def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep):
     args = ["-ep"] if ep else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(ckpt), "-tp", "2", *args,
-         "--device", "cpu", "--weight-cache-socket-dir", sockdir], stdout=subprocess.PIPE, stderr=log, text=True)
+         "--device", device, "--weight-cache-socket-dir", sockdir], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = ""
         while "READY" not in line:
@@ -583,7 +636,7 @@ def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        code = TP_ENGINE.format(port=port, ckpt=str(ckpt), sockdir=sockdir, prompt=PROMPT, ep=ep)
+        code = TP_ENGINE.format(port=port, ckpt=str(ckpt), sockdir=sockdir, prompt=PROMPT, ep=ep, device=device)
         engines = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
         outs = [e.communicate(timeout=300)[0] for e in engines]

@@ -296,13 +296,47 @@ def moe_config(arch: str = "qwen3_moe", *, hidden_size: int = 128, num_layers: i
     raise ValueError(f"unknown MoE architecture {arch!r}; known: {', '.join(MOE_ARCHITECTURES)}")
 
 
+def qwen3_moe_param_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes of ``Qwen3MoeForCausalLM`` (one tensor per expert, as shipped)."""
+    h, hd, v = config.hidden_size, config.head_dim, config.vocab_size
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate.weight": (config.num_experts, h)})
+        for e in range(config.num_experts):
+            x = f"{p}mlp.experts.{e}."
+            shapes.update({x + "gate_proj.weight": (inter, h), x + "up_proj.weight": (inter, h),
+                           x + "down_proj.weight": (h, inter)})
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
 def make_moe_checkpoint(path: str | Path, arch: str = "qwen3_moe", *, dtype: torch.dtype = torch.bfloat16,
-                        seed: int = 0, **shape) -> Path:
-    """Write a random-weight MoE checkpoint (Hugging Face layout, one tensor per expert) plus tokenizer."""
+                        seed: int = 0, direct: bool = False, max_shard_bytes: int | None = None, **shape) -> Path:
+    """Write a random-weight MoE checkpoint (Hugging Face layout, one tensor per expert) plus tokenizer.
+    ``direct`` (qwen3_moe) writes random shards without instantiating the model (benchmark sizes)."""
     config = moe_config(arch, **shape)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _save_with_transformers(path, config, dtype, seed, None)
+    if direct:
+        if arch != "qwen3_moe":
+            raise ValueError(f"direct writing supports qwen3_moe, not {arch!r}")
+        from transformers import GenerationConfig
+
+        config.dtype = dtype
+        config.save_pretrained(str(path))
+        GenerationConfig.from_model_config(config).save_pretrained(str(path))
+        _write_random_shards(path, qwen3_moe_param_shapes(config), dtype, seed, max_shard_bytes or DEFAULT_SHARD_BYTES)
+    else:
+        _save_with_transformers(path, config, dtype, seed, max_shard_bytes)
     make_tokenizer(path, config.vocab_size)
     return path
 
