@@ -204,13 +204,13 @@ def spawn_producer(args: list[str], timeout: float = 1800) -> tuple[subprocess.P
 # ---------------------------------------------------------------- the engine (a fresh process per run)
 
 def engine(method: str, model: str, device: str, dtype: str, socket_dir: str, ipc_file: str, new_tokens: int) -> dict:
+    import importlib
+
     import transformers  # noqa: F401  (part of every engine's start-up)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import weightcache.transformers as wct
     from weightcache.key import parse_dtype
-
-    import importlib
 
     # The model's modeling module: every engine imports it (transformers does inside from_pretrained); counted
     # with the imports so that the weight-load phase is the same work for all three.

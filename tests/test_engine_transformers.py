@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM
 
 import weightcache as wc
 import weightcache.transformers as wct
-from weightcache.checkpoints import FAMILIES, make_checkpoint, make_fp8_checkpoint, make_llama_checkpoint
+from weightcache.checkpoints import (
+    FAMILIES,
+    make_checkpoint,
+    make_compressed_fp8_checkpoint,
+    make_fp8_checkpoint,
+    make_llama_checkpoint,
+)
 from weightcache.daemon import Daemon
 from weightcache.engines.torch import BindError
 from weightcache.key import checkpoint_digest, config_digest, dtype_name
@@ -417,6 +423,19 @@ def test_fp8_block_checkpoint_on_cpu_is_what_transformers_makes_of_it(fp8, sockd
         assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
         assert_same_model(model, ref)
         assert not hasattr(model.config, "quantization_config") and not model.is_quantized  # as transformers
+
+
+def test_compressed_tensors_fp8_checkpoint(tmp_path, sockdir):
+    """compressed-tensors ("float-quantized" FP8 weights with per-channel scales, as llm-compressor writes
+    them): the modules transformers' quantizer prepares, the tensors and the logits of a disk load."""
+    pytest.importorskip("compressed_tensors", reason="transformers loads these through compressed-tensors")
+    ckpt = make_compressed_fp8_checkpoint(tmp_path / "ct", "qwen3", hidden_size=256, intermediate_size=384)
+    with serve(ckpt, sockdir):
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False)
+        q = model.model.layers[0].self_attn.q_proj
+        assert q.weight.dtype == torch.float8_e4m3fn and q.weight_scale.shape == (128, 1)
+        assert q.weight.data_ptr() == model._weightcache_attachment["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+        assert_same_model(model, reference(ckpt))
 
 
 def test_attention_implementation_is_the_engines_choice(families, sockdir):

@@ -542,3 +542,32 @@ def _write_random_shards(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def make_compressed_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, **shape) -> Path:
+    """A random checkpoint of ``family`` in compressed-tensors' "float-quantized" format (as llm-compressor
+    writes FP8-dynamic models): each linear weight in float8_e4m3fn with a per-channel ``weight_scale``,
+    dynamic per-token FP8 activations, the LM head left in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    make_checkpoint(path, family, dtype=torch.bfloat16, seed=seed, **shape)
+    out = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        if _is_fp8_target(name, t.shape):
+            scale = (t.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+            out[name] = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            out[name[: -len("weight")] + "weight_scale"] = scale
+        else:
+            out[name] = t
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
