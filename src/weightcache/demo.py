@@ -101,9 +101,9 @@ def main(argv=None) -> int:
 
     from .checkpoints import llama_config_for_bytes, make_llama_checkpoint
     from .daemon import Daemon
-    from .engines.transformers import key_for_checkpoint
+    from .layout import Placement
     from .naming import device_tag, socket_path
-    from .sources.safetensors import SafetensorsSource
+    from .sources.transformers import TransformersSource
 
     console = Console()
     device = _default_device() if a.device == "auto" else a.device
@@ -120,12 +120,15 @@ def main(argv=None) -> int:
         console.print(f"checkpoint written to {model_dir} in {time.perf_counter() - t:.1f} s")
 
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        key = key_for_checkpoint(model_dir, dtype=torch.bfloat16)
+        # what `weightcache preload --model DIR` runs for one rank: transformers' own from_pretrained, captured
+        source = TransformersSource(Placement("main", 0, 0, 0, False, 0, 1, 0, 0, str(dev), 1, 1, 1),
+                                    path=str(model_dir), dtype="bfloat16")
+        key = source.key("dp1-pp1-tp1")
         sock = socket_path(socket_dir, key, device_tag(dev))
         daemon = Daemon(sock, key, device=dev)
         daemon.start()
         t = time.perf_counter()
-        daemon.load(SafetensorsSource(model_dir, dtype=torch.bfloat16, device=dev, progress=False))
+        source.load_into(daemon)
         st = daemon.status()
         console.print(f"daemon holds {st.ntensors} tensors, {st.nbytes / 2**20:.0f} MiB in {st.nblocks} block(s) "
                       f"(loaded in {time.perf_counter() - t:.2f} s) at {sock}")
