@@ -505,7 +505,8 @@ def main(argv=None) -> int:
     if out.exists():
         old = json.loads(out.read_text())
         result["models"] = old.get("models", {})
-        result["rows"] = [r for r in old.get("rows", []) if r["model"] not in models]
+        # rows of other models, and of engines this run does not measure, are kept (engines may run separately)
+        result["rows"] = [r for r in old.get("rows", []) if r["model"] not in models or r["engine"] not in a.engines]
     with tempfile.TemporaryDirectory(prefix="wcr", dir="/tmp") as work:
         for m in models:
             info, rows = bench_model(m, a, Path(work))
