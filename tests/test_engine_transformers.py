@@ -640,6 +640,7 @@ def test_tensor_parallel_moe_from_transformers_own_plan(tmp_path, sockdir, ep, d
     computes the logits a disk load in the same world computes, bit for bit."""
     import socket
 
+    pytest.importorskip("accelerate", reason="transformers' tensor parallel loading needs accelerate")
     ckpt = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_heads=4, num_kv_heads=2)
     log = open(tmp_path / "preload.log", "w+")
     args = ["-ep"] if ep else []

@@ -261,6 +261,11 @@ def _check_transformers_layout(args, path: str) -> None:
         raise UsageError(f"model {path} ({type(config).__name__}): transformers has no {what} plan for it "
                          f"({plan} is empty), so it cannot shard it over -tp {tp}; use -tp 1, --engine vllm, or "
                          "--engine safetensors --tp-plan ... for your own sharded module")
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise UsageError(f"--engine transformers with -tp {tp}: transformers' tensor parallel loading needs "
+                         "accelerate (pip install accelerate)")
 
 
 def _free_port() -> int:
