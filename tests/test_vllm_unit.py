@@ -260,3 +260,25 @@ def test_budget_shim_wraps_request_memory_only_for_weightcache(monkeypatch):
     monkeypatch.setattr(WeightCacheModelLoader, "get_external_weight_memory", lambda self, c: 10 << 30)
     assert fake.request_memory(snap, cache) == (50 << 30) - (10 << 30)
     assert calls == ["original"]
+
+
+def test_skeleton_falls_back_to_parameters_on_meta_when_construction_reads_values():
+    """Expert parallelism computes its expert map from tensor values at construction: that cannot run on
+    the meta device, so the skeleton is rebuilt with only the parameters on meta."""
+    registry = {}
+    attempts = []
+
+    class ExpertMapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            registry[f"layer{len(attempts)}"] = self  # what vLLM's layer registry records while building
+            attempts.append(1)
+            self.local = torch.nonzero(torch.tensor([0, 1, 1])).flatten()  # data-dependent
+            self.proj = nn.Linear(4, 4)
+
+    m = vllm_loader._skeleton(ExpertMapped, torch.device("cpu"), registry)
+    assert len(attempts) == 2 and list(registry) == ["layer1"]  # the failed attempt's entry is gone
+    assert m.proj.weight.is_meta and m.proj.bias.is_meta
+    assert m.local.tolist() == [1, 2]
+    plain = vllm_loader._skeleton(lambda: nn.Linear(2, 2), torch.device("cpu"), {})
+    assert plain.weight.is_meta

@@ -4,7 +4,7 @@
 speculative_config, prompts, max_tokens, watch (directories whose files' opens are recorded with inotify),
 dump (torch.save the engine's state there, see ``engine_state``), reload (kwargs for vLLM's
 ``reload_weights``, then generate again), external_memory (call the loader's hook), gpu_memory_utilization,
-quantization, enforce_eager (default true), max_model_len. The result also has the KV cache's blocks.
+quantization, enforce_eager (default true), max_model_len, ep (expert parallel). The result also has the KV cache's blocks.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def main(spec: dict) -> dict:
               gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3), tensor_parallel_size=spec.get("tp", 1))
     if spec.get("quantization"):
         kw["quantization"] = spec["quantization"]
+    if spec.get("ep"):
+        kw["enable_expert_parallel"] = True
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
     if spec.get("extra") is not None:

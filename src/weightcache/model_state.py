@@ -321,7 +321,10 @@ def bind_captured(model: nn.Module, tensors: Mapping[str, torch.Tensor], roles: 
         t = bound.get(canonical)
         if t is None:
             raise WeightCacheError(f"cached alias {alias} names {canonical}, which the cache does not hold")
-        put(alias, t, "parameter" if isinstance(t, nn.Parameter) else roles.get(canonical, "attribute"))
+        role = "parameter" if isinstance(t, nn.Parameter) else roles.get(canonical, "attribute")
+        if not isinstance(owner_of(model, modules, alias)[0], nn.Module):
+            role = "attribute"  # the same tensor also held by a plain object (e.g. a kernel or a map manager)
+        put(alias, t, role)
     return bound
 
 

@@ -18,6 +18,7 @@ Options (``--model-loader-extra-config '{...}'``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -175,6 +176,42 @@ def leftover_meta(model: nn.Module, device: torch.device) -> list[str]:
 # ---- the loader ------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter created meanwhile is a meta tensor (whatever its class: vLLM's parameter classes
+    all construct through ``nn.Parameter.__new__``); other tensors stay on the default device."""
+    original = nn.Parameter.__new__
+
+    def new(cls, data=None, requires_grad=True):
+        if data is not None and data.device.type != "meta":
+            data = torch.empty_like(data, device="meta")
+        return original(cls, data, requires_grad)
+
+    nn.Parameter.__new__ = new
+    try:
+        yield
+    finally:
+        nn.Parameter.__new__ = original
+
+
+def _skeleton(build, device: torch.device, registry: dict) -> nn.Module:
+    """The model built on the meta device (no memory, no init). Where construction computes from tensor
+    values (e.g. the expert map of expert parallelism), meta tensors cannot: then only the parameters are
+    made on meta and the rest on the engine's device. ``registry``: vLLM's per-config table of layers,
+    cleared of what a failed attempt registered."""
+    known = set(registry)
+    try:
+        with torch.device("meta"):
+            return build()
+    except NotImplementedError as e:
+        log.info("the model cannot be built on the meta device alone (%s); building its parameters on meta",
+                 str(e).splitlines()[0][:120])
+    for name in set(registry) - known:
+        del registry[name]
+    with device, parameters_on_meta():
+        return build()
+
+
 class WeightCacheModelLoader(BaseModelLoader):
     """Attach post-processed weights from ``weightcache preload --engine vllm``."""
 
@@ -324,8 +361,9 @@ class WeightCacheModelLoader(BaseModelLoader):
 
         meta = read_meta(att)
         with set_default_torch_dtype(model_config.dtype):
-            with torch.device("meta"):
-                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            model = _skeleton(lambda: initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                                       prefix=prefix), device,
+                              vllm_config.compilation_config.static_forward_context)
         check_quantization(model)
         apply_deletions(model, meta.get("deleted", ()))
         bind_tensors(model, dict(att.tensors), att.roles, meta)
