@@ -9,7 +9,9 @@ set -uo pipefail
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1
+# FlashInfer is not staged: vLLM 0.26's sampler would import it unless told not to.
+export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0
 if ! python3 -c "import weightcache" 2>/dev/null || [ "${REINSTALL:-1}" = 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . >/dev/null 2>&1 \
     || { echo "weightcache install failed"; exit 1; }

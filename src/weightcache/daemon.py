@@ -145,6 +145,7 @@ class Daemon:
         return [b.tensor for b in blocks]
 
     def _finish(self, manifest: Manifest, t0: float) -> None:
+        self._sample_peak()  # the sampler thread may not have run since the arena was allocated
         for b in self._blocks:
             b.seal()
         self.manifest = manifest
