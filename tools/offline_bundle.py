@@ -167,6 +167,7 @@ class Recipe:
     have: dict[str, Version | None]
     exclude: set[str]
     strip: dict[str, list[str]]
+    keep: set[str] = field(default_factory=set)  # use the target's version even where a requirement excludes it
     part_mib: float = 60.0
     codec: str = "auto"
     level: int | None = None
@@ -174,6 +175,7 @@ class Recipe:
     known_missing: set[str] = field(default_factory=set)
     target_modules: set[str] = field(default_factory=set)
     smoke: list[str] = field(default_factory=list)
+    stand_ins: list[str] = field(default_factory=list)  # target packages installed here for the smoke import
 
 
 def parse_req(text: str, where: str) -> Requirement:
@@ -240,6 +242,9 @@ def load_recipe(path: Path) -> Recipe:
             raise BundleError(f"{path}: [have] file {rel} not found at {f}")
         have.update(read_have_lines(f.read_text().splitlines(), str(f)))
     have.update(read_have_lines(list(h.get("packages", [])), f"{path} [have] packages"))
+    for name in h.get("keep", []):
+        if canonicalize_name(name) not in have:
+            raise BundleError(f"{path}: [have] keep names {name}, which the target does not have")
     strip = {canonicalize_name(k) if k != "*" else "*": list(v) for k, v in data.get("strip", {}).items()}
     c = data.get("check_imports", {})
     return Recipe(
@@ -258,6 +263,8 @@ def load_recipe(path: Path) -> Recipe:
         known_missing=set(c.get("known_missing", [])),
         target_modules=set(h.get("modules", [])),
         smoke=list(c.get("smoke", [])),
+        stand_ins=list(c.get("stand_ins", [])),
+        keep={canonicalize_name(x) for x in h.get("keep", [])},
     )
 
 
@@ -452,6 +459,10 @@ def _walk(recipe: Recipe, env, picks: dict[str, Wheel], fetch, log) -> dict[str,
                 hv = recipe.have[name]
                 if hv is None or full.contains(hv, prereleases=True):
                     d.action, d.have_version = "have", hv
+                    continue
+                if name in recipe.keep:
+                    d.action, d.have_version = "have", hv
+                    d.note = f"keeping the target's {name} {hv} although {full} is asked for ([have] keep)"
                     continue
                 d.note = f"target has {name} {hv}, which does not satisfy {full or 'any'}: bringing ours"
             d.action = "bring"
@@ -961,6 +972,18 @@ def site_top_modules(site: Path) -> set[str]:
     return names
 
 
+def top_level_owners(site: Path) -> dict[str, str]:
+    """top-level module -> distribution, from each dist-info's RECORD."""
+    owners: dict[str, str] = {}
+    for record in site.glob("*.dist-info/RECORD"):
+        dist = record.parent.name[: -len(".dist-info")].rsplit("-", 1)[0]
+        for line in record.read_text(errors="replace").splitlines():
+            top = line.split(",", 1)[0].split("/", 1)[0]
+            if top and not top.endswith((".dist-info", ".data")) and top != "__pycache__":
+                owners[top.split(".", 1)[0] if top.endswith((".py", ".so")) else top] = canonicalize_name(dist)
+    return owners
+
+
 @dataclass
 class ImportUse:
     module: str  # what is imported
@@ -1057,6 +1080,7 @@ def check_imports(site: Path, entry_modules: list[str], target_modules: set[str]
     missing_internal: dict[str, list[str]] = defaultdict(list)
     soft: dict[str, list[str]] = defaultdict(list)
     walked = 0
+    reached: set[str] = set()  # top-level bundle modules that an eager import runs
     while queue:
         mod, by, kind = queue.pop()
         if kind.endswith("?"):  # `from pkg import name`: a submodule or just a name
@@ -1090,6 +1114,7 @@ def check_imports(site: Path, entry_modules: list[str], target_modules: set[str]
             seen.add(key)
             if kind == "eager":
                 seen.add(name)
+                reached.add(parts[0])
             if path.is_dir():
                 continue
             walked += 1
@@ -1101,21 +1126,39 @@ def check_imports(site: Path, entry_modules: list[str], target_modules: set[str]
             for u in uses:
                 child_kind = u.kind if kind == "eager" else ("guarded" if u.kind.startswith("guarded") else "conditional") + ("?" if u.kind.endswith("?") else "")
                 queue.append((u.module, name, child_kind))
+    owners = top_level_owners(site)
+    unreached = sorted({owners.get(t, t) for t in bundle_tops} - {owners.get(t, t) for t in reached})
     return {
         "walked_modules": walked,
+        "unreached": unreached,
         "missing": {k: sorted(set(v))[:5] for k, v in sorted(missing.items())},
         "missing_in_bundle": {k: sorted(set(v))[:5] for k, v in sorted(missing_internal.items())},
         "optional": {k: sorted(set(v))[:3] for k, v in sorted(soft.items())},
     }
 
 
-def smoke_import(python: str, site: Path, modules: list[str]) -> tuple[bool, str]:
+def install_stand_ins(recipe: Recipe, fetcher: Fetcher, dest: Path) -> Path:
+    """The target's own packages that the smoke import needs (typing_extensions, click, ...), at the
+    target's versions where known, unpacked beside the bundle (never into it)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for name in recipe.stand_ins:
+        cname = canonicalize_name(name)
+        version = recipe.have.get(cname)
+        spec = SpecifierSet(f"=={version.public}") if version is not None else SpecifierSet()
+        install_wheel(fetcher.fetch(cname, spec), dest, [], {}, log=lambda *_: None)
+    fetcher.save()
+    return dest
+
+
+def smoke_import(python: str, paths: list[Path], modules: list[str]) -> tuple[bool, str]:
     code = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n"
             "    try:\n        importlib.import_module(m)\n"
             "    except Exception as e:\n        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
             "print('\\n'.join(bad) or 'all imported'); sys.exit(1 if bad else 0)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(site)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
     proc = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, env=env)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
 
@@ -1163,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--site", type=Path, help="an extracted site tree")
     p.add_argument("--out", type=Path, help="a built bundle to extract first (into OUT.check/)")
     p.add_argument("--smoke-python", help="a Python of the target's version to import the recipe's smoke modules")
+    p.add_argument("--cache", type=Path, default=default_cache, help="wheel cache for the smoke stand-ins")
     p.add_argument("modules", nargs="*", help="entry modules (default: the recipe's [check_imports] modules)")
     args = ap.parse_args(argv)
     try:
@@ -1185,6 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
         result = check_imports(site, args.modules or recipe.entry_modules, target_import_names(recipe),
                                recipe.known_missing)
         print(f"walked {result['walked_modules']} modules from {len(args.modules or recipe.entry_modules)} entry module(s)")
+        print("bundled, but no entry module imports it eagerly: " + (", ".join(result["unreached"]) or "none"))
         for top, where in result["optional"].items():
             print(f"  optional (guarded/conditional): {top}  <- {where[0]}")
         for mod, where in result["missing_in_bundle"].items():
@@ -1193,7 +1238,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  MISSING on the target and in the bundle: {top}  <- {', '.join(where)}")
         ok = not result["missing"] and not result["missing_in_bundle"]
         if args.smoke_python and recipe.smoke:
-            good, text = smoke_import(args.smoke_python, site, recipe.smoke)
+            paths = [site]
+            if recipe.stand_ins:
+                fetcher = Fetcher(recipe.target, args.cache, [])
+                paths.append(install_stand_ins(recipe, fetcher, site.parent / (site.name + ".stand-ins")))
+            good, text = smoke_import(args.smoke_python, paths, recipe.smoke)
             print(f"smoke import with {args.smoke_python}: {text}")
             ok = ok and good
         print("import check: " + ("ok" if ok else "FAILED"))
