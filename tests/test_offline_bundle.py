@@ -157,6 +157,7 @@ def test_conflict_names_every_requirement(tmp_path, index):
     with pytest.raises(ob.ConflictError) as e:
         ob.resolve(recipe(tmp_path, ["a", "c"]), index.fetch, quiet)
     assert "a 1.0 -> x>=2" in str(e.value) and "c 1.0 -> x<2" in str(e.value)
+    assert "'a!=1.0', 'c!=1.0' to [bundle] constraints" in str(e.value)
 
 
 def test_recipe_constraints_narrow_a_dependency(tmp_path, index):
@@ -180,6 +181,15 @@ def test_have_excluded_and_markers(tmp_path, index):
     assert "winonly" not in plan and "extra-dep" not in plan
     fetched = {name for name, _ in index.calls}
     assert fetched == {"a", "numpy"}
+
+
+def test_keep_uses_the_targets_version_and_says_so(tmp_path, index):
+    index.add("a", "1.0", ["numpy<2.4"])
+    r = recipe(tmp_path, ["a"], have=["numpy==2.5.2"])
+    r.keep = {"numpy"}
+    plan = ob.resolve(r, index.fetch, quiet)
+    assert plan["numpy"].action == "have" and "keeping the target's numpy 2.5.2" in plan["numpy"].note
+    assert {name for name, _ in index.calls} == {"a"}
 
 
 def test_requested_extras_pull_their_dependencies(tmp_path, index):

@@ -499,7 +499,12 @@ def _fetch_checked(fetch, d: Decision, spec: SpecifierSet) -> Wheel:
     try:
         wheel = fetch(d.name, spec)
     except BundleError as e:
-        raise ConflictError(f"{e}\n  requirements on {d.name}: " + "; ".join(d.why)) from None
+        msg = f"{e}\n  requirements on {d.name}: " + "; ".join(d.why)
+        parents = [w.split(" -> ", 1)[0] for w in d.why if not w.startswith("recipe")]
+        if len(parents) > 1:
+            hints = ", ".join(f"'{p.replace(' ', '!=')}'" for p in dict.fromkeys(parents))
+            msg += f"\n  an earlier version of one of them may fit: add e.g. {hints} to [bundle] constraints"
+        raise ConflictError(msg) from None
     if not spec.contains(wheel.version, prereleases=True):
         raise ConflictError(f"{d.name} {wheel.version} does not satisfy {spec}; requirements: " + "; ".join(d.why))
     return wheel
