@@ -399,12 +399,13 @@ def test_check_imports_follows_eager_imports_only(tmp_path):
         "import json\nimport requests\nfrom . import sub\nfrom .sub import gone\n"
         "try:\n    import optional_thing\nexcept ImportError:\n    pass\n"
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import typed_only\n"
-        "def f():\n    import lazy_thing\n")
+        "def f():\n    import lazy_thing\n"
+        "import contextlib\nwith contextlib.suppress(ImportError):\n    import suppressed_thing\n")
     (site / "pkg" / "sub" / "__init__.py").write_text("import needed_dep\nfrom pkg.sub.mod import x\n")
     (site / "pkg" / "sub" / "mod.py").write_text("import other_dep.deep\nx = 1\n")
     r = ob.check_imports(site, ["pkg"], target_modules={"requests"})
     assert set(r["missing"]) == {"needed_dep", "other_dep"}
-    assert "optional_thing" in r["optional"]
+    assert "optional_thing" in r["optional"] and "suppressed_thing" in r["optional"]
     assert "lazy_thing" not in r["missing"] and "typed_only" not in r["missing"]
     assert "pkg.sub.gone" not in r["missing_in_bundle"]  # a name in pkg.sub, not a submodule that is gone
     (site / "pkg" / "__init__.py").write_text("from .stripped import kernels\n")
@@ -416,3 +417,16 @@ def test_import_names_of_target_packages():
     assert ob.import_names("PyYAML") == ["yaml", "_yaml"]
     assert ob.import_names("nvidia-cublas") == ["nvidia"]
     assert ob.import_names("typing_extensions") == ["typing_extensions"]
+
+
+def test_resplit_changes_the_part_size_not_the_archive(tmp_path):
+    out, m = _fake_bundle(tmp_path)
+    m2 = ob.resplit(out, 0.05, log=quiet)
+    assert len(m2["parts"]) < len(m["parts"]) and m2["archive_sha256"] == m["archive_sha256"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [f"p{i:02d}" for i in range(1, len(m2["parts"]) + 1)]
+    stash = tmp_path / "stash"
+    for p in m2["parts"]:
+        assert unpack("--stash", stash, out / Path(p["file"]).parent).returncode == 0
+    r = unpack("--stash", stash, "--extract", tmp_path / "site")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "site" / "lib" / "__init__.py").exists()

@@ -870,19 +870,6 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
     chosen = choose_codec(candidates, part_bytes, zstd_extra)
     log(f"chosen: {chosen.codec}")
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    aux = []
-    reserved = 0
-    if chosen.codec == "zstd":
-        assert zstd_wheel is not None
-        (out / "p01").mkdir()
-        shutil.copyfile(zstd_wheel.path, out / "p01" / zstd_wheel.path.name)
-        aux.append({"file": f"p01/{zstd_wheel.path.name}", "bytes": zstd_extra,
-                    "sha256": sha256_file(zstd_wheel.path), "role": "zstandard"})
-        reserved = zstd_extra + 64 * 1024
-    parts = split_parts(chosen.path, out, part_bytes, reserved)
     manifest = {
         "format": FORMAT,
         "name": recipe.name,
@@ -896,8 +883,8 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
         "archive_sha256": sha256_file(chosen.path),
         "tar_bytes": tar_bytes,
         "files": n_files,
-        "parts": parts,
-        "aux": aux,
+        "parts": [],
+        "aux": [],
         "compression": {c.codec: {"bytes": c.bytes, "level": c.level, "compress_s": round(c.seconds, 1),
                                   "decompress_s_here": round(c.decompress_seconds or 0, 2)}
                         for c in candidates},
@@ -908,19 +895,73 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
         "over_have": [d.note for n, d in sorted(plan.items()) if d.note],
         "why": {n: d.why for n, d in sorted(plan.items())},
     }
+    zstd_file = zstd_wheel.path if chosen.codec == "zstd" and zstd_wheel else None
+    write_bundle(out, chosen.path, manifest, part_bytes, zstd_file, log)
+    shutil.rmtree(work)
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    return manifest
+
+
+def write_bundle(out: Path, archive: Path, manifest: dict, part_bytes: int, zstd_wheel: Path | None,
+                 log=say) -> dict:
+    """(Re)write `out`: the archive cut into pNN/ folders, each with the manifest and the unpacker."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    manifest["aux"] = []
+    reserved = 0
+    if zstd_wheel is not None:
+        (out / "p01").mkdir()
+        shutil.copyfile(zstd_wheel, out / "p01" / zstd_wheel.name)
+        size = zstd_wheel.stat().st_size
+        manifest["aux"].append({"file": f"p01/{zstd_wheel.name}", "bytes": size,
+                                "sha256": sha256_file(zstd_wheel), "role": "zstandard"})
+        reserved = size + 64 * 1024
+    manifest["parts"] = split_parts(archive, out, part_bytes, reserved)
     text = json.dumps(manifest, indent=1)
     (out / "manifest.json").write_text(text)
     unpack_src = Path(__file__).with_name("offline_unpack.py")
-    for p in parts:
+    for p in manifest["parts"]:
         part_dir = out / Path(p["file"]).parent
         (part_dir / "manifest.json").write_text(text)
         if unpack_src.exists():
             shutil.copyfile(unpack_src, part_dir / "offline_unpack.py")
-    shutil.rmtree(work)
-    log(f"{len(parts)} part(s) in {out}: " + ", ".join(f"{p['file']} {p['bytes'] / MIB:.1f} MiB" for p in parts)
-        + (f" (+ {aux[0]['file']} {zstd_extra / MIB:.1f} MiB)" if aux else ""))
-    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    aux = manifest["aux"]
+    log(f"{len(manifest['parts'])} part(s) in {out}: "
+        + ", ".join(f"{p['file']} {p['bytes'] / MIB:.1f} MiB" for p in manifest["parts"])
+        + (f" (+ {aux[0]['file']} {aux[0]['bytes'] / MIB:.1f} MiB)" if aux else ""))
     return manifest
+
+
+def resplit(out: Path, part_mib: float, log=say) -> dict:
+    """Cut a built bundle into parts of another size, without compressing again."""
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise BundleError(f"no bundle at {out} (no manifest.json)") from None
+    work = out.parent / (out.name + ".resplit")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    try:
+        archive = work / manifest["archive"]
+        h = hashlib.sha256()
+        with open(archive, "wb") as w:
+            for p in manifest["parts"]:
+                data = (out / p["file"]).read_bytes()
+                if hashlib.sha256(data).hexdigest() != p["sha256"]:
+                    raise BundleError(f"{out / p['file']} is corrupt: rebuild the bundle")
+                h.update(data)
+                w.write(data)
+        if h.hexdigest() != manifest["archive_sha256"]:
+            raise BundleError("the reassembled archive's sha256 differs from the manifest's")
+        zstd_wheel = None
+        for a in manifest.get("aux", []):
+            zstd_wheel = work / Path(a["file"]).name
+            shutil.copyfile(out / a["file"], zstd_wheel)
+        return write_bundle(out, archive, manifest, int(part_mib * MIB), zstd_wheel, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def report_plan(plan: dict[str, Decision], log=say) -> None:
@@ -929,7 +970,10 @@ def report_plan(plan: dict[str, Decision], log=say) -> None:
     excl = [d for d in plan.values() if d.action == "exclude"]
     log(f"bring {len(bring)}: " + ", ".join(f"{d.name}=={d.wheel.version}" for d in sorted(bring, key=lambda d: d.name)))
     log(f"on the target {len(have)}: " + ", ".join(sorted(d.name for d in have)))
-    log(f"excluded {len(excl)}: " + ", ".join(sorted(d.name for d in excl)))
+    log(f"excluded {len(excl)}:")
+    for d in sorted(excl, key=lambda d: d.name):
+        wanted = sorted({w.split(" -> ", 1)[0].split(" ")[0] for w in d.why})
+        log(f"  {d.name} (wanted by {', '.join(wanted)})")
     for d in plan.values():
         if d.note:
             log(f"  {d.note}")
@@ -1035,8 +1079,9 @@ def module_imports(source: str, module: str, is_package: bool) -> list[ImportUse
                 sub = "conditional" if kind == "eager" else kind
                 visit(s.body, sub)
                 visit(s.orelse, sub)
-            elif isinstance(s, ast.With):
-                visit(s.body, kind)
+            elif isinstance(s, ast.With):  # `with suppress(ImportError):` guards like a try
+                guard = any("suppress" in ast.unparse(item.context_expr) for item in s.items)
+                visit(s.body, "guarded" if guard and kind == "eager" else kind)
             elif isinstance(s, ast.ClassDef):
                 visit(s.body, kind)
 
@@ -1070,6 +1115,27 @@ class ModuleFinder:
             if parent.is_dir() and (any(parent.glob(rel.name + ".*.so")) or (parent / (rel.name + ".so")).exists()):
                 return True
         return False
+
+
+def expand_modules(site: Path, patterns: list[str]) -> list[str]:
+    """Entry modules; one with `*` (`vllm.entrypoints.**.api_router`) names every module it matches."""
+    out: list[str] = []
+    for pat in patterns:
+        if "*" not in pat:
+            out.append(pat)
+            continue
+        top = pat.split(".", 1)[0]
+        rx = glob_regex(pat.replace(".", "/"))
+        found = []
+        for f in sorted((site / top).rglob("*.py")) if (site / top).is_dir() else []:
+            rel = f.relative_to(site).with_suffix("")
+            mod = rel.parent if rel.name == "__init__" else rel
+            if rx.match(mod.as_posix()):
+                found.append(".".join(mod.parts))
+        if not found:
+            raise BundleError(f"the entry module pattern {pat!r} matches no module in {site}")
+        out += found
+    return list(dict.fromkeys(out))
 
 
 def check_imports(site: Path, entry_modules: list[str], target_modules: set[str],
@@ -1169,15 +1235,23 @@ def smoke_import(python: str, paths: list[Path], modules: list[str]) -> tuple[bo
 
 
 def extract_for_check(out: Path, dest: Path) -> Path:
-    """Unpack a built bundle here (with the target's unpacker) for the import check."""
+    """Unpack a built bundle here, afresh, with the target's own unpacker, for the import check."""
     unpack = Path(__file__).with_name("offline_unpack.py")
-    manifest = json.loads((out / "manifest.json").read_text())
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise BundleError(f"no bundle at {out} (no manifest.json)") from None
     stash = dest.parent / (dest.name + ".stash")
-    for p in manifest["parts"]:
-        subprocess.run([sys.executable, str(unpack), "--stash", str(stash), str(out / p["file"])], check=True,
-                       stdout=subprocess.DEVNULL)
-    subprocess.run([sys.executable, str(unpack), "--stash", str(stash), "--extract", str(dest)], check=True,
-                   stdout=subprocess.DEVNULL)
+    for old in (stash, dest):
+        if old.exists():
+            shutil.rmtree(old)
+    cmds = [["--stash", str(stash), *(str(out / p["file"]) for p in manifest["parts"])],
+            ["--stash", str(stash), "--extract", str(dest)]]
+    for cmd in cmds:
+        proc = subprocess.run([sys.executable, str(unpack), *cmd], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BundleError(f"unpacking {out} failed: {proc.stderr.strip()}")
+    shutil.rmtree(stash)
     return dest
 
 
@@ -1206,6 +1280,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--out", type=Path, required=True)
             p.add_argument("--codec", choices=["auto", "xz", "zstd"], default=None)
             p.add_argument("--part-mib", type=float, default=None)
+    p = sub.add_parser("resplit", help="cut a built bundle into parts of another size (no recompression)")
+    p.add_argument("out", type=Path)
+    p.add_argument("--part-mib", type=float, required=True)
     p = sub.add_parser("check-imports")
     p.add_argument("recipe", type=Path)
     p.add_argument("--site", type=Path, help="an extracted site tree")
@@ -1215,6 +1292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("modules", nargs="*", help="entry modules (default: the recipe's [check_imports] modules)")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "resplit":
+            resplit(args.out, args.part_mib)
+            return 0
         recipe = load_recipe(args.recipe)
         if args.cmd == "resolve":
             fetcher = Fetcher(recipe.target, args.cache, args.find_links, args.refresh)
@@ -1231,9 +1311,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.out is None:
                 raise BundleError("check-imports needs --site DIR or --out BUNDLE_DIR")
             site = extract_for_check(args.out, args.out.parent / (args.out.name + ".check"))
-        result = check_imports(site, args.modules or recipe.entry_modules, target_import_names(recipe),
-                               recipe.known_missing)
-        print(f"walked {result['walked_modules']} modules from {len(args.modules or recipe.entry_modules)} entry module(s)")
+        entries = expand_modules(site, args.modules or recipe.entry_modules)
+        result = check_imports(site, entries, target_import_names(recipe), recipe.known_missing)
+        print(f"walked {result['walked_modules']} modules from {len(entries)} entry module(s)")
         print("bundled, but no entry module imports it eagerly: " + (", ".join(result["unreached"]) or "none"))
         for top, where in result["optional"].items():
             print(f"  optional (guarded/conditional): {top}  <- {where[0]}")
