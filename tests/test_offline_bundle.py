@@ -16,7 +16,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the tools need tomllib")
+pytest.importorskip("tomllib", reason="the tools need Python >= 3.11")
 
 
 def _load(name):
