@@ -430,3 +430,15 @@ def test_resplit_changes_the_part_size_not_the_archive(tmp_path):
     r = unpack("--stash", stash, "--extract", tmp_path / "site")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "site" / "lib" / "__init__.py").exists()
+
+
+def test_entry_module_patterns_expand_over_the_site(tmp_path):
+    site = tmp_path / "site"
+    for rel in ("pkg/__init__.py", "pkg/a/__init__.py", "pkg/a/api_router.py", "pkg/b/c/api_router/__init__.py",
+                "pkg/b/other.py"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    got = ob.expand_modules(site, ["pkg", "pkg.**.api_router", "pkg.b.*"])
+    assert got == ["pkg", "pkg.a.api_router", "pkg.b.c.api_router", "pkg.b.other"]
+    with pytest.raises(ob.BundleError, match="matches no module"):
+        ob.expand_modules(site, ["pkg.nothing.*"])
