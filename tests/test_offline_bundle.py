@@ -291,7 +291,7 @@ def _fake_bundle(tmp_path, part_mib=0.01):
     make_wheel(wheels, "lib", "2.0", files={"lib/__init__.py": "VALUE = 42\n"})
     r = tmp_path / "r.toml"
     r.write_text('name = "fake"\n[target]\npython = "3.12.3"\n[bundle]\nrequirements = ["app==1.0"]\n'
-                 f'codec = "xz"\npart_mib = {part_mib}\n[strip]\napp = ["app/drop/**"]\n')
+                 f'codec = "xz"\nlevel = 1\npart_mib = {part_mib}\n[strip]\napp = ["app/drop/**"]\n')
     out = tmp_path / "out"
     manifest = ob.build(ob.load_recipe(r), out, tmp_path / "cache", [wheels], log=quiet)
     return out, manifest
@@ -442,3 +442,21 @@ def test_entry_module_patterns_expand_over_the_site(tmp_path):
     assert got == ["pkg", "pkg.a.api_router", "pkg.b.c.api_router", "pkg.b.other"]
     with pytest.raises(ob.BundleError, match="matches no module"):
         ob.expand_modules(site, ["pkg.nothing.*"])
+
+
+def test_parts_of_two_builds_do_not_mix(tmp_path):
+    out1, m1 = _fake_bundle(tmp_path / "one")
+    r = tmp_path / "one" / "r.toml"
+    r.write_text(r.read_text().replace("level = 1", "level = 2"))  # another archive
+    out2, m2 = tmp_path / "two", ob.build(ob.load_recipe(r), tmp_path / "two", tmp_path / "one" / "cache",
+                                          [tmp_path / "one" / "wheels"], log=quiet)
+    assert m1["archive_sha256"] != m2["archive_sha256"]
+    stash = tmp_path / "stash"
+    unpack("--stash", stash, out1 / "p01")
+    unpack("--stash", stash, out2 / "p02")
+    r = unpack("--stash", stash, "--extract", tmp_path / "site")
+    assert r.returncode == 2 and "several bundles" in r.stderr and "(1/" in r.stderr
+    for p in m2["parts"]:
+        unpack("--stash", stash, out2 / Path(p["file"]).parent)
+    r = unpack("--stash", stash, "--extract", tmp_path / "site")  # the only complete one
+    assert r.returncode == 0, r.stderr

@@ -114,14 +114,22 @@ def present_parts(home: Path, manifest: dict) -> tuple[list[int], int]:
 
 
 def find_bundle(stash: Path, name: str | None) -> tuple[Path, dict]:
+    """The stashed bundle to extract: the one named (NAME or NAME-DIGEST), else the only one, else the
+    only complete one."""
     homes = sorted(p.parent for p in stash.glob("*/manifest.json")) if stash.is_dir() else []
     if name:
-        homes = [h for h in homes if h.name.rsplit("-", 1)[0] == name]
+        homes = [h for h in homes if name in (h.name, h.name.rsplit("-", 1)[0])]
     if not homes:
         raise UnpackError(f"no bundle stashed in {stash}" + (f" named {name}" if name else "") + ": stash its parts first")
-    if len(homes) > 1:
-        raise UnpackError(f"{stash} holds several bundles ({', '.join(h.name for h in homes)}): pass --name")
-    return homes[0], load_manifest(homes[0] / "manifest.json")
+    found = [(h, load_manifest(h / "manifest.json")) for h in homes]
+    if len(found) > 1:
+        complete = [(h, m) for h, m in found if len(present_parts(h, m)[0]) == len(m["parts"])]
+        if len(complete) == 1:
+            return complete[0]
+        listing = ", ".join(f"{h.name} ({len(present_parts(h, m)[0])}/{len(m['parts'])} parts)" for h, m in found)
+        raise UnpackError(f"{stash} holds several bundles: {listing}; pass --name NAME-DIGEST "
+                          "(parts of different builds do not mix)")
+    return found[0]
 
 
 class ChainReader:
