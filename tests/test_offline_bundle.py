@@ -291,7 +291,7 @@ def _fake_bundle(tmp_path, part_mib=0.01):
     make_wheel(wheels, "lib", "2.0", files={"lib/__init__.py": "VALUE = 42\n"})
     r = tmp_path / "r.toml"
     r.write_text('name = "fake"\n[target]\npython = "3.12.3"\n[bundle]\nrequirements = ["app==1.0"]\n'
-                 f'codec = "xz"\nlevel = 1\npart_mib = {part_mib}\n[strip]\napp = ["app/drop/**"]\n')
+                 f'codec = "xz"\nlevel = 1\npart_mib = {part_mib}\nsolo_mib = 0.02\n[strip]\napp = ["app/drop/**"]\n')
     out = tmp_path / "out"
     manifest = ob.build(ob.load_recipe(r), out, tmp_path / "cache", [wheels], log=quiet)
     return out, manifest
@@ -328,6 +328,16 @@ def test_parts_round_trip(tmp_path):
     # idempotent: the same stash and extract again change nothing
     again = unpack("--stash", stash, out / "p01", "--extract", site)
     assert again.returncode == 0 and "already stashed" in again.stdout and "already extracted" in again.stdout
+
+
+def test_a_rebuild_takes_unchanged_pieces_from_the_cache(tmp_path):
+    out, m = _fake_bundle(tmp_path)
+    assert m["pieces"] == ["rest", "app"]  # app (> solo_mib) is a piece of its own
+    lines = []
+    m2 = ob.build(ob.load_recipe(tmp_path / "r.toml"), out, tmp_path / "cache", [tmp_path / "wheels"],
+                  log=lines.append)
+    assert m2["archive_sha256"] == m["archive_sha256"]
+    assert any("3 of 3 piece(s) from the cache" in line for line in lines)
 
 
 def test_same_inputs_give_the_same_archive(tmp_path):

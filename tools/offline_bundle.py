@@ -169,6 +169,7 @@ class Recipe:
     strip: dict[str, list[str]]
     keep: set[str] = field(default_factory=set)  # use the target's version even where a requirement excludes it
     part_mib: float = 60.0
+    solo_mib: float = 64.0
     codec: str = "auto"
     level: int | None = None
     entry_modules: list[str] = field(default_factory=list)
@@ -257,6 +258,7 @@ def load_recipe(path: Path) -> Recipe:
         exclude={canonicalize_name(x) for x in b.get("exclude", [])},
         strip=strip,
         part_mib=float(b.get("part_mib", 60)),
+        solo_mib=float(b.get("solo_mib", 64)),
         codec=b.get("codec", "auto"),
         level=b.get("level"),
         entry_modules=list(c.get("modules", [])),
@@ -639,6 +641,7 @@ def install_wheel(wheel: Wheel, site: Path, patterns: list[str], owners: dict[st
             kept = [ln for ln in record.splitlines() if ln.split(",", 1)[0] not in stripped]
             (site / record_name).parent.mkdir(parents=True, exist_ok=True)
             (site / record_name).write_text("\n".join(kept) + "\n")
+            owners[record_name] = wheel.name
     info.unused_strips = strip.unused()
     return info
 
@@ -649,7 +652,8 @@ def _safe_join(root: Path, rel: str, where: str) -> Path:
     return root / rel
 
 
-def build_site(plan: dict[str, Decision], recipe: Recipe, site: Path, log=say) -> list[Installed]:
+def build_site(plan: dict[str, Decision], recipe: Recipe, site: Path, log=say) -> tuple[list[Installed], dict[str, str]]:
+    """Install every brought wheel into `site`; returns what was installed and each file's package."""
     if site.exists():
         shutil.rmtree(site)
     site.mkdir(parents=True)
@@ -672,7 +676,7 @@ def build_site(plan: dict[str, Decision], recipe: Recipe, site: Path, log=say) -
     for name in recipe.strip:
         if name != "*" and (name not in plan or plan[name].action != "bring"):
             log(f"  warning: [strip] names {name}, which the bundle does not bring")
-    return out
+    return out, owners
 
 
 def tree_files(site: Path) -> list[Path]:
@@ -681,19 +685,41 @@ def tree_files(site: Path) -> list[Path]:
     return sorted(files, key=lambda p: (p.suffix, str(p.relative_to(site))))
 
 
-def write_tar(site: Path, out: Path) -> int:
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for p in tree_files(site):
-            ti = tar.gettarinfo(p, arcname=str(p.relative_to(site)))
+def plan_pieces(site: Path, owners: dict[str, str], solo_bytes: int) -> list[tuple[str, list[Path]]]:
+    """The tar is made of pieces, each compressed on its own and cached by content: a package of at least
+    `solo_bytes` (vLLM) is a piece of its own, everything else one piece; so a rebuild that changes
+    only the small packages recompresses only them."""
+    files = tree_files(site)
+    size: dict[str, int] = defaultdict(int)
+    for p in files:
+        size[owners.get(p.relative_to(site).as_posix(), "")] += p.stat().st_size
+    solo = sorted(name for name, n in size.items() if name and n >= solo_bytes)
+    rest = [p for p in files if owners.get(p.relative_to(site).as_posix(), "") not in solo]
+    pieces = [("rest", rest)] if rest else []
+    for name in solo:
+        pieces.append((name, [p for p in files if owners.get(p.relative_to(site).as_posix()) == name]))
+    return pieces
+
+
+def write_tar(site: Path, files: list[Path], out: Path, end_marker: bool = True) -> int:
+    """A reproducible tar of `files`; without the end marker, tars concatenate into one."""
+    with open(out, "wb") as f:
+        tar = tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT)
+        for p in files:
+            ti = tar.gettarinfo(p, arcname=p.relative_to(site).as_posix())
             ti.uid = ti.gid = 0
             ti.uname = ti.gname = ""
             ti.mtime = TAR_MTIME
             ti.mode = 0o755 if ti.mode & 0o111 else 0o644
             if ti.isfile():
-                with open(p, "rb") as f:
-                    tar.addfile(ti, f)
+                with open(p, "rb") as src:
+                    tar.addfile(ti, src)
             else:
                 tar.addfile(ti)
+        end = tar.offset
+        tar.close()
+        if not end_marker:
+            f.truncate(end)
     return out.stat().st_size
 
 
@@ -747,6 +773,45 @@ def compress_zstd(src: Path, dest: Path, level: int | None = None) -> Compressed
             zstandard.ZstdCompressor(compression_params=params).copy_stream(fin, fout)
     return Compressed("zstd", dest, dest.stat().st_size, time.perf_counter() - t0,
                       level=f"-{level} --long={ZSTD_WINDOW_LOG}")
+
+
+COMPRESSORS = {"xz": (compress_xz, ".xz"), "zstd": (compress_zstd, ".zst")}
+
+
+def compress_pieces(codec: str, level: int | None, pieces: list[Path], dest: Path, cache: Path,
+                    workers: int, log=say) -> Compressed:
+    """Compress each tar piece (cached under cache/compressed by its digest, codec and level) and
+    concatenate them: xz streams and zstd frames both read back as one stream."""
+    fn, suffix = COMPRESSORS[codec]
+    store = cache / "compressed"
+    store.mkdir(parents=True, exist_ok=True)
+    level_tag = "d" if level is None else str(level)
+    window = f"-w{ZSTD_WINDOW_LOG}" if codec == "zstd" else ""
+
+    def one(piece: Path) -> tuple[Path, bool]:
+        key = f"{sha256_file(piece)}-{codec}{level_tag}{window}{suffix}"
+        hit = store / key
+        if hit.exists():
+            return hit, False
+        tmp = store / (key + ".tmp")
+        fn(piece, tmp, level)
+        tmp.replace(hit)
+        return hit, True
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:  # each runs in its own process
+        done = list(pool.map(one, pieces))
+    fresh = sum(1 for _, new in done if new)
+    with open(dest, "wb") as out:
+        for path, _ in done:
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out, 16 * MIB)
+    if codec == "xz":
+        label = f"-{9 if level is None else level}e"
+    else:
+        label = f"-{19 if level is None else level} --long={ZSTD_WINDOW_LOG}"
+    log(f"  {codec} {label}: {len(pieces) - fresh} of {len(pieces)} piece(s) from the cache")
+    return Compressed(codec, dest, dest.stat().st_size, time.perf_counter() - t0, level=label)
 
 
 def time_decompress(c: Compressed) -> float:
@@ -837,14 +902,21 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
     work.mkdir(parents=True)
     site = work / "site"
     log(f"extracting into {site}")
-    installed = build_site(plan, recipe, site, log)
+    installed, owners = build_site(plan, recipe, site, log)
     for inst in installed:
         for pat in inst.unused_strips:
             log(f"  warning: strip pattern {pat!r} for {inst.name} matched nothing")
-    tar_path = work / f"{recipe.name}.tar"
-    tar_bytes = write_tar(site, tar_path)
-    n_files = sum(1 for _ in site.rglob("*") if _.is_file())
-    log(f"tar: {tar_bytes / MIB:.1f} MiB, {n_files} files")
+    pieces = plan_pieces(site, owners, int(recipe.solo_mib * MIB))
+    tars = []
+    for i, (name, files) in enumerate(pieces):
+        tars.append(work / f"piece-{i:02d}-{name}.tar")
+        write_tar(site, files, tars[-1], end_marker=False)
+    tars.append(work / "piece-end.tar")
+    write_tar(site, [], tars[-1], end_marker=True)
+    tar_bytes = sum(t.stat().st_size for t in tars)
+    n_files = sum(len(files) for _, files in pieces)
+    log(f"tar: {tar_bytes / MIB:.1f} MiB, {n_files} files, pieces: "
+        + ", ".join(f"{name} {t.stat().st_size / MIB:.1f} MiB" for (name, _), t in zip(pieces, tars, strict=False)))
 
     codec = codec or recipe.codec
     part_bytes = int((part_mib or recipe.part_mib) * MIB)
@@ -852,16 +924,15 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
     if codec in ("auto", "zstd"):
         zstd_wheel = fetcher.fetch("zstandard", SpecifierSet())
         fetcher.save()
-    jobs = []
-    if codec in ("auto", "xz"):
-        jobs.append((compress_xz, work / f"{recipe.name}.tar.xz", recipe.level if codec == "xz" else None))
-    if codec in ("auto", "zstd"):
-        jobs.append((compress_zstd, work / f"{recipe.name}.tar.zst", recipe.level if codec == "zstd" else None))
-    if not jobs:
+    codecs = {"auto": ["xz", "zstd"], "xz": ["xz"], "zstd": ["zstd"]}.get(codec)
+    if codecs is None:
         raise BundleError(f"unknown codec {codec!r}: auto, xz or zstd")
-    log("compressing with " + ", ".join(j[1].suffix for j in jobs))
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # each runs in its own process
-        candidates = list(pool.map(lambda j: j[0](tar_path, j[1], j[2]), jobs))
+    workers = min(len(tars), os.cpu_count() or 1)
+    candidates = []
+    for c in codecs:
+        level = recipe.level if codec == c else None
+        dest = work / f"{recipe.name}.tar{COMPRESSORS[c][1]}"
+        candidates.append(compress_pieces(c, level, tars, dest, cache, workers, log))
     for c in candidates:
         c.decompress_seconds = time_decompress(c)
         log(f"  {c.codec} {c.level}: {c.bytes / MIB:.1f} MiB ({c.bytes / tar_bytes:.1%}), "
@@ -883,6 +954,7 @@ def build(recipe: Recipe, out: Path, cache: Path, find_links: list[Path], refres
         "archive_sha256": sha256_file(chosen.path),
         "tar_bytes": tar_bytes,
         "files": n_files,
+        "pieces": [name for name, _ in pieces],
         "parts": [],
         "aux": [],
         "compression": {c.codec: {"bytes": c.bytes, "level": c.level, "compress_s": round(c.seconds, 1),

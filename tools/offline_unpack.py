@@ -175,7 +175,7 @@ def decompressor(manifest: dict, home: Path, raw):
         import zstandard
 
         window = 1 << max(int(manifest.get("zstd_window_log") or 27), 27)
-        return zstandard.ZstdDecompressor(max_window_size=window).stream_reader(raw)
+        return zstandard.ZstdDecompressor(max_window_size=window).stream_reader(raw, read_across_frames=True)
     raise UnpackError(f"unknown codec {codec!r} in the manifest")
 
 
