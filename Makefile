@@ -9,7 +9,7 @@ export DO_NOT_TRACK=1
 export VLLM_HOST_IP=127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: venv vllm demo test lint clean
+.PHONY: venv vllm demo test lint clean stage-vllm stage-loaders
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,3 +40,15 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Bundles for the offline GPU host (docs/vllm.md, "Running vLLM on an offline GPU host"); they land in
+# the git-ignored .devcarry/. WHEEL_DIRS: folders of wheels to use before downloading (e.g. the vLLM wheel).
+WHEEL_DIRS ?=
+BUNDLE_CACHE ?= $(HOME)/.cache/offline-bundle
+BUNDLE = $(PY) tools/offline_bundle.py build --cache $(BUNDLE_CACHE) $(foreach d,$(WHEEL_DIRS),--find-links $(d))
+
+stage-vllm:
+	$(BUNDLE) tools/bundles/vllm-0.26-h200.toml --out .devcarry/vllm026
+
+stage-loaders:
+	$(BUNDLE) tools/bundles/loaders-h200.toml --out .devcarry/loaders
