@@ -28,7 +28,7 @@ from .manifest import (
     release_storage,
     storage_bytes,
 )
-from .naming import ensure_private_dir
+from .naming import check_socket_path, ensure_private_dir
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -122,6 +122,7 @@ class Daemon:
 
     def start(self) -> None:
         """Bind the socket and serve in the background; state becomes "loading"."""
+        check_socket_path(self.socket_path)
         ensure_private_dir(self.socket_path.parent)
         _remove_stale_socket(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
