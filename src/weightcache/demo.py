@@ -189,6 +189,12 @@ def _serve(model_dir: Path, dev, socket_dir: Path):
     from .naming import device_tag, socket_path
     from .sources.transformers import TransformersSource
 
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the demo prints its own lines
+    except ImportError:
+        pass
     source = TransformersSource(Placement("main", 0, 0, 0, False, 0, 1, 0, 0, str(dev), 1, 1, 1),
                                 path=str(model_dir), dtype="bfloat16")
     key = source.key("dp1-pp1-tp1")
@@ -260,7 +266,7 @@ def _cpu_demo(a, console, model_dir, daemon, sock, work, socket_dir, size_mb) ->
     t.add_row("daemon process itself", "-", _mib(daemon_runtime))
     t.add_row("weights ready (median)", _ms(med(disk, lambda r: r["weights_s"])),
               _ms(med(cache, lambda r: r["weights_s"])))
-    t.add_row("  model skeleton", "in from_pretrained", _ms(med(cache, lambda r: r["parts"]["build"])))
+    t.add_row("  model skeleton", "in from_pretrained", _ms(med(cache, lambda r: r["parts"]["skeleton"])))
     t.add_row("  attach", "-", _ms(med(cache, lambda r: r["parts"]["attach"])))
     console.print(t)
     console.print(
