@@ -69,8 +69,13 @@ def run_engine(model_dir: str, device: str, socket_dir: str, new_tokens: int) ->
         t_go = time.time()
         t0 = time.perf_counter()
         if source == "disk":
-            kw = {"device_map": "cuda"} if device == "cuda" else {}
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw)
+            if device == "cuda":
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+                except (ImportError, ValueError):  # without accelerate
+                    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda")
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
             parts = {}
         else:
             model = wct.from_pretrained(model_dir, device=device, dtype=torch.bfloat16, socket_dir=socket_dir,

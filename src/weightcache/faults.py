@@ -26,7 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-MAX_REGIONS = 4096
+MAX_REGIONS = 256  # the newest mappings; older ones (their describers hold manifests) are forgotten
 ALT_STACK_BYTES = 1 << 20  # the callback runs Python: far more than SIGSTKSZ
 _SA_ONSTACK = 0x08000000
 _SA_SIGINFO = 0x00000004
