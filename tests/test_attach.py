@@ -123,8 +123,10 @@ print("WROTE", flush=True)
 def test_write_through_readonly_mapping_faults_and_daemon_bytes_survive(sockdir, device):
     src = sample_tensors(device)
     with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # the line comes first, faulthandler's traceback next
         proc = subprocess.run(
-            [sys.executable, "-c", WRITER.format(sock=_sock(sockdir))], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", WRITER.format(sock=_sock(sockdir))], capture_output=True, text=True, timeout=120,
+            env=env,
         )
         assert "ATTACHED" in proc.stdout
         assert "WROTE" not in proc.stdout
@@ -134,11 +136,31 @@ def test_write_through_readonly_mapping_faults_and_daemon_bytes_survive(sockdir,
             # one line names the tensor and its mapping before the process dies
             line = next(x for x in proc.stderr.splitlines() if x.startswith("weightcache: write to read-only"))
             assert "tensor 'embed'" in line and "'lm_head'" in line and "block 0 of " + _sock(sockdir) in line
+            assert "Fatal Python error: Segmentation fault" in proc.stderr.split(line)[1]
         else:
             assert "illegal" in proc.stderr.lower() or "error" in proc.stderr.lower()
         assert daemon.state == "ready"
         with wc.attach(_sock(sockdir)) as att:
             assert torch.equal(bits(att["embed"]), bits(src["embed"]))
+
+
+SEGV_SENT = """
+import os, signal, time, weightcache
+att = weightcache.attach({sock!r})
+print("ATTACHED", flush=True)
+os.kill(os.getpid(), signal.SIGSEGV)
+time.sleep(5)
+print("SURVIVED", flush=True)
+"""
+
+
+def test_a_sigsegv_sent_to_an_engine_still_kills_it(sockdir):
+    """The write-fault handler only names faults; a SIGSEGV sent with kill() ends the process as before."""
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY):
+        proc = subprocess.run([sys.executable, "-c", SEGV_SENT.format(sock=_sock(sockdir))], capture_output=True,
+                              text=True, timeout=120)
+    assert "ATTACHED" in proc.stdout and "SURVIVED" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV and "weightcache:" not in proc.stderr
 
 
 @pytest.mark.parametrize("device", DEVICES)
