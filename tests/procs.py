@@ -17,7 +17,8 @@ from weightcache.key import CacheKey
 device = {device!r}
 if device.startswith("cuda"):
     torch.cuda.set_device(0)
-d = weightcache.publish(sample_tensors(device, {scale!r}), {sock!r}, CacheKey(model="sample", content_digest="d0"))
+d = weightcache.publish(sample_tensors(device, {scale!r}), {sock!r}, CacheKey(model="sample", content_digest="d0"),
+                        **{kwargs!r})
 d.install_signal_handlers()
 print("READY", flush=True)
 d.serve_forever()
@@ -57,9 +58,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def start_daemon(sock: str, device: str = "cpu", scale: int = 1, timeout: float = 120.0) -> subprocess.Popen:
-    code = DAEMON_SCRIPT.format(tests=os.path.dirname(__file__), device=device, sock=sock, scale=scale)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+def start_daemon(sock: str, device: str = "cpu", scale: int = 1, timeout: float = 120.0, *, nofile: int | None = None,
+                 stderr=None, **daemon_kwargs) -> subprocess.Popen:
+    """A daemon process serving sample_tensors(device, scale) at `sock`; `nofile` caps its descriptors."""
+    code = DAEMON_SCRIPT.format(tests=os.path.dirname(__file__), device=device, sock=sock, scale=scale,
+                                kwargs=daemon_kwargs)
+
+    def limit_fds():
+        if nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            preexec_fn=limit_fds)
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()
     if line.strip() != "READY":

@@ -48,14 +48,63 @@ def test_copy_mode_is_private_and_writable(sockdir, device):
             assert torch.equal(bits(shared["embed"]), bits(src["embed"]))
 
 
-def test_writable_map_is_shared(sockdir):
+def test_writable_map_on_cpu_is_private_copy_on_write(sockdir):
+    """The blocks are sealed: readonly=False maps them privately, so an engine's writes stay its own."""
     with wc.publish({"w": torch.zeros(4)}, _sock(sockdir), KEY):
         a = wc.attach(_sock(sockdir), readonly=False)
         b = wc.attach(_sock(sockdir))
         a["w"][0] = 7.0
-        assert b["w"][0].item() == 7.0
+        assert a["w"][0].item() == 7.0
+        assert b["w"][0].item() == 0.0
+        with wc.attach(_sock(sockdir)) as c:
+            assert c["w"].sum().item() == 0.0
         a.close()
         b.close()
+
+
+def _raw_attach(path: str) -> list[int]:
+    """The block fds a daemon hands out, received by hand (what an engine holds before it maps them)."""
+    import socket
+
+    from weightcache import wire
+
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    wire.send_msg(s, wire.Hello(protocol=wire.PROTOCOL_VERSION, readonly=False))
+    reply = wire.recv_msg(s)
+    fds = wire.recv_fds(s, reply.nfds)
+    s.close()
+    return fds
+
+
+def test_cpu_blocks_are_sealed_even_against_reopening_the_memfd(sockdir):
+    import errno
+    import fcntl
+    import mmap
+
+    src = sample_tensors()
+    with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        for fd in _raw_attach(_sock(sockdir)):
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_WRITE, seals  # no writable mapping was left in the daemon either
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the kernel lets us reopen it read-write...
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"\xff" * 8, 0)  # ...but not write
+            with pytest.raises(PermissionError):
+                mmap.mmap(rw, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError) as e:
+                os.ftruncate(rw, 0)
+            assert e.value.errno == errno.EPERM
+            os.close(rw)
+            os.close(fd)
+        # the daemon keeps no writable mapping of its own: every shared mapping of a block is read-only
+        maps = [line.split()[1] for line in open("/proc/self/maps") if "memfd:weightcache" in line]
+        shared = [perms for perms in maps if perms[3] == "s"]
+        assert shared and all(perms[1] == "-" for perms in shared), maps
+        assert daemon.state == "ready"
+        with wc.attach(_sock(sockdir)) as att:
+            for name, t in src.items():
+                assert torch.equal(bits(att[name]), bits(t)), name
 
 
 WRITER = """
@@ -74,19 +123,44 @@ print("WROTE", flush=True)
 def test_write_through_readonly_mapping_faults_and_daemon_bytes_survive(sockdir, device):
     src = sample_tensors(device)
     with wc.publish(src, _sock(sockdir), KEY) as daemon:
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # the line comes first, faulthandler's traceback next
         proc = subprocess.run(
-            [sys.executable, "-c", WRITER.format(sock=_sock(sockdir))], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", WRITER.format(sock=_sock(sockdir))], capture_output=True, text=True, timeout=120,
+            env=env,
         )
         assert "ATTACHED" in proc.stdout
         assert "WROTE" not in proc.stdout
         assert proc.returncode != 0
         if device == "cpu":
             assert proc.returncode == -signal.SIGSEGV
+            # one line names the tensor and its mapping before the process dies
+            line = next(x for x in proc.stderr.splitlines() if x.startswith("weightcache: write to read-only"))
+            assert "tensor 'embed'" in line and "'lm_head'" in line and "block 0 of " + _sock(sockdir) in line
+            assert "Fatal Python error: Segmentation fault" in proc.stderr.split(line)[1]
         else:
             assert "illegal" in proc.stderr.lower() or "error" in proc.stderr.lower()
         assert daemon.state == "ready"
         with wc.attach(_sock(sockdir)) as att:
             assert torch.equal(bits(att["embed"]), bits(src["embed"]))
+
+
+SEGV_SENT = """
+import os, signal, time, weightcache
+att = weightcache.attach({sock!r})
+print("ATTACHED", flush=True)
+os.kill(os.getpid(), signal.SIGSEGV)
+time.sleep(5)
+print("SURVIVED", flush=True)
+"""
+
+
+def test_a_sigsegv_sent_to_an_engine_still_kills_it(sockdir):
+    """The write-fault handler only names faults; a SIGSEGV sent with kill() ends the process as before."""
+    with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY):
+        proc = subprocess.run([sys.executable, "-c", SEGV_SENT.format(sock=_sock(sockdir))], capture_output=True,
+                              text=True, timeout=120)
+    assert "ATTACHED" in proc.stdout and "SURVIVED" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV and "weightcache:" not in proc.stderr
 
 
 @pytest.mark.parametrize("device", DEVICES)

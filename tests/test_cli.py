@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -67,6 +70,9 @@ def test_vllm_named_flags_parse():
     (["-tp", "0"], "0 must be >= 1"),
     (["--weight-cache-master-port", "70000"], "outside 1..65535"),
     (["--weight-cache-master-port", "x"], "is not a port number"),
+    (["--weight-cache-health-port", "70000"], "port 70000 is outside 0..65535"),
+    (["--weight-cache-health-port", "-1"], "port -1 is outside 0..65535"),
+    (["--weight-cache-draft-master-port", "65536"], "port 65536 is outside 1..65535"),
     (["--device", "tpu"], "invalid choice"),
     (["--engine", "nope"], "invalid choice"),
 ])
@@ -260,3 +266,106 @@ def test_tensor_parallel_needs_a_transformers_plan(tmp_path, capsys):
                         capsys=capsys)
     assert code == 2 and "no expert parallel plan" in err and not (tmp_path / "s").exists() or \
         not list((tmp_path / "s").glob("*.sock"))
+
+
+# --- refused up front, in one line, before any daemon starts ---
+
+@pytest.fixture
+def llama_dir(model_dir):
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 512}))
+    return model_dir
+
+
+@pytest.mark.parametrize("tp, msg", [
+    (64, "tensor parallel size 64 is larger than the model's 4 attention heads, 2 key/value heads; transformers' "
+         "plan splits each over the ranks: use one of 1, 2"),
+    (3, "tensor parallel size 3 does not divide the model's 4 attention heads, 2 key/value heads, 128 "
+        "intermediate size, 512 vocabulary size"),
+    (4, "tensor parallel size 4 is larger than the model's 2 key/value heads;"),
+])
+def test_tp_size_that_does_not_split_the_model_is_refused(tp, msg, llama_dir, tmp_path, capsys, monkeypatch):
+    import weightcache.supervisor as sup
+
+    monkeypatch.setattr(sup.Supervisor, "run", lambda self: pytest.fail("a daemon was about to start"))
+    code, err = preload(llama_dir, "-tp", tp, "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s",
+                        capsys=capsys)
+    assert code == 2 and msg in err and "Traceback" not in err, err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("config", ["[1, 2, 3]", '"llama"', "7"])
+def test_config_json_that_is_not_an_object_is_one_line(config, model_dir, tmp_path, capsys):
+    (model_dir / "config.json").write_text(config)
+    code, err = preload(model_dir, "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s", capsys=capsys)
+    assert code == 2 and "config.json: not a model config" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    from weightcache.engines.transformers import key_for_checkpoint
+
+    with pytest.raises(ValueError, match="not a model config"):
+        key_for_checkpoint(model_dir)
+
+
+def test_socket_path_over_the_unix_limit_is_refused_before_anything_starts(model_dir, tmp_path, capsys):
+    long_dir = tmp_path / ("d" * 90)
+    code, err = preload(model_dir, "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", long_dir,
+                        capsys=capsys)
+    assert code == 2 and "over the 107-byte limit of Unix sockets" in err and "Traceback" not in err, err
+    assert str(long_dir) in err and not long_dir.exists(), "nothing is left behind"
+    with pytest.raises(Exception, match="107-byte limit"):
+        publish({"w": torch.ones(2)}, long_dir / "r0.sock", CacheKey(model="m", content_digest="d"))
+    assert not long_dir.exists()
+
+
+def test_master_port_in_use_is_named(model_dir, tmp_path, capsys, caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = preload(model_dir, "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s",
+                            "--weight-cache-master-port", port, capsys=capsys)
+    assert code != 0
+    text = err + caplog.text
+    assert f"rendezvous port {port} is already in use on this host: pick another --weight-cache-master-port" in text
+    assert "Traceback" not in text and "EADDRINUSE" not in text
+
+
+def test_socket_dir_on_a_read_only_filesystem_is_refused(model_dir, tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    setup = (f"mount -t tmpfs -o mode=700 tmpfs {mnt} && mkdir -m 700 {mnt}/s && mount -o remount,ro {mnt} "
+             "|| exit 99; ")
+    run = f"exec {sys.executable} -m weightcache.cli preload {model_dir} --device cpu --weight-cache-socket-dir {mnt}/s"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", setup + run], capture_output=True, text=True, env=env,
+                          timeout=120)
+    if proc.returncode == 99 or proc.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a read-only filesystem here: {proc.stderr.strip()}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"socket directory {mnt}/s is on a read-only filesystem" in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to hand a directory to another uid")
+def test_status_of_a_socket_dir_of_another_uid_is_one_line(sockdir, capsys):
+    os.chown(sockdir, 65534, -1)
+    assert main(["status", "--socket-dir", sockdir]) == 2
+    err = capsys.readouterr().err
+    assert f"socket directory {sockdir} belongs to uid 65534" in err and len(err.strip().splitlines()) == 1
+
+
+def test_status_of_a_socket_dir_writable_by_others_is_one_line(sockdir, tmp_path, capsys, monkeypatch):
+    os.chmod(sockdir, 0o777)
+    assert main(["status", "--socket-dir", sockdir]) == 2
+    err = capsys.readouterr().err
+    assert "writable by others (mode 0o777)" in err and len(err.strip().splitlines()) == 1
+    runtime = tmp_path / "run"
+    (runtime / "weightcache").mkdir(parents=True)
+    os.chmod(runtime / "weightcache", 0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert main(["status"]) == 2  # the default directory too
+    err = capsys.readouterr().err
+    assert f"{runtime}/weightcache is writable by others" in err and len(err.strip().splitlines()) == 1

@@ -159,7 +159,7 @@ def test_port_in_use_and_unreachable_master():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(RendezvousError, match=f"node 0 cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(RendezvousError, match=f"rendezvous port {port} is already in use on this host"):
             Rendezvous(group="main", master_addr="127.0.0.1", master_port=port, nnodes=2, node_rank=0).start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

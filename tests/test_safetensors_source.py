@@ -332,6 +332,9 @@ def test_truncated_and_corrupt_files(llama, tmp_path):
     f.write_bytes(b"\xff" * 8)
     with pytest.raises(CheckpointError, match="not a safetensors file or truncated"):
         SafetensorsSource(d, progress=False)
+    f.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a safetensors file \(only 0 bytes\)"):
+        SafetensorsSource(d, progress=False)
 
 
 @pytest.mark.parametrize("io", ["auto", "mmap"])

@@ -236,6 +236,7 @@ def test_bad_file_fails_every_rank(ckpts, env, tmp_path, preloads):
     for rank in m.group(2).split(","):
         assert f"rank {rank} (main, cpu) exited with code 1: CheckpointError" in err
     assert "truncated" in err
+    assert "Traceback" not in err, "the daemons say what is wrong in one line"
     assert not p.out, "no READY line"
     assert gone(p.descendants()) == [] and sockets(sdir) == []
 

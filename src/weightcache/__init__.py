@@ -5,6 +5,7 @@ from .daemon import Daemon
 from .engines.torch import load_into
 from .errors import (
     ArenaOutOfMemory,
+    DaemonBusy,
     DaemonNotReady,
     DaemonUnavailable,
     KeyMismatch,
@@ -20,7 +21,7 @@ from .publish import publish
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArenaOutOfMemory", "Attachment", "CacheKey", "Daemon", "DaemonNotReady", "DaemonUnavailable", "KeyMismatch",
+    "ArenaOutOfMemory", "Attachment", "CacheKey", "Daemon", "DaemonBusy", "DaemonNotReady", "DaemonUnavailable", "KeyMismatch",
     "LayoutError", "PermissionDenied", "ProtocolError", "SocketInUse", "WeightCacheError", "attach",
     "checkpoint_digest", "find_socket", "load_into", "publish", "query_status", "wait_ready",
 ]

@@ -49,6 +49,7 @@ def _int_in(low: int, high: int | None, what: str):
 
 
 _port = _int_in(1, 65535, "a port number")
+_port_or_zero = _int_in(0, 65535, "a port number")
 _positive = _int_in(1, None, "an integer")
 _non_negative = _int_in(0, None, "an integer")
 
@@ -103,7 +104,7 @@ def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     wc.add_argument("--weight-cache-draft-master-port", type=_port, default=None, metavar="PORT",
                     help="rendezvous port of the draft group (default: master port + 1 across nodes; else "
                          "free); must differ from the main one")
-    wc.add_argument("--weight-cache-health-port", type=_non_negative, default=None, metavar="PORT",
+    wc.add_argument("--weight-cache-health-port", type=_port_or_zero, default=None, metavar="PORT",
                     help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
     wc.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST, metavar="HOST",
                     help=f"address the HTTP server binds (default {DEFAULT_HEALTH_HOST})")
@@ -305,7 +306,6 @@ def preload_main(argv: list[str]) -> int:
 
 
 def _preload(args) -> int:
-    from .errors import WeightCacheError
     from .supervisor import Group
 
     model = args.model or args.model_pos
@@ -328,14 +328,14 @@ def _preload(args) -> int:
     main_layout, draft_layout = layouts_from_args(args, device, local_devices)
     main_port, draft_port = resolve_ports(args, main_layout.nodes, draft_layout is not None)
     master_addr = args.master_addr or args.data_parallel_address or "127.0.0.1"
-
-    from .naming import default_socket_dir, ensure_private_dir
-
-    try:
-        socket_dir = ensure_private_dir(args.weight_cache_socket_dir) if args.weight_cache_socket_dir \
-            else default_socket_dir()
-    except (OSError, WeightCacheError) as e:
-        raise UsageError(f"socket directory: {e}") from None
+    tp_plan = _tp_plan(args.tp_plan)
+    plans = [("main", model, main_layout, main_port)]
+    if draft_layout is not None:
+        plans.append(("draft", args.draft_model, draft_layout, draft_port))
+    for role, path, layout, _ in plans:
+        _check_config(role, path, layout.tp, tp_plan)
+    roles, world = [p[0] for p in plans], max(p[2].world_size for p in plans)
+    _socket_dir(args.weight_cache_socket_dir, roles, world, device, create=False)  # refused before any work
 
     if args.engine == "transformers":
         _check_transformers_layout(args, model)
@@ -354,14 +354,10 @@ def _preload(args) -> int:
             parse_dtype(dtype)
         except ValueError as e:
             raise UsageError(f"--dtype: {e}") from None
-    tp_plan = _tp_plan(args.tp_plan)
 
     from .key import checkpoint_digest
 
     groups = []
-    plans = [("main", model, main_layout, main_port)]
-    if draft_layout is not None:
-        plans.append(("draft", args.draft_model, draft_layout, draft_port))
     for role, path, layout, port in plans:
         try:
             checkpoint_digest(path)  # hashed once here; every daemon then only stat()s the files
@@ -388,7 +384,46 @@ def _preload(args) -> int:
                             source_args={"path": str(path), "dtype": dtype, "tp_plan": tp_plan},
                             key_args={"revision": args.revision}, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
+    socket_dir = _socket_dir(args.weight_cache_socket_dir, roles, world, device)
     return run_supervisor(groups, socket_dir, args, args.log_level)
+
+
+def _check_config(role: str, path: str, tp_size: int, tp_plan) -> None:
+    """config.json (when there is one) must be a JSON object, and a TP size must split the model the way
+    transformers' plan does: refused here, before any daemon starts."""
+    from .sources.tp_plan import TPPlanError, check_tp_size
+
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{role} model: {cfg_path}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{role} model: {cfg_path}: not a model config (a JSON {type(cfg).__name__}, not an object)")
+    if tp_plan in (None, "auto"):
+        try:
+            check_tp_size(cfg, tp_size)
+        except TPPlanError as e:
+            raise UsageError(f"{role} model {path}: {e}") from None
+
+
+def _socket_dir(explicit: str | None, roles: list[str], world_size: int, device: str, create: bool = True) -> Path:
+    """The socket directory: socket paths short enough for every rank (checked before the directory is
+    made), ours, private and writable (not on a read-only filesystem). Without `create`, an existing
+    directory is checked and a missing one left alone."""
+    from .errors import WeightCacheError
+    from .naming import check_socket_path, default_socket_dir_path, ensure_private_dir, longest_socket_path
+
+    path = Path(explicit) if explicit else default_socket_dir_path()
+    try:
+        check_socket_path(longest_socket_path(path, roles, world_size, device))
+        if not create and not path.exists():
+            return path
+        return ensure_private_dir(path)
+    except WeightCacheError as e:
+        raise UsageError(f"{e}" + (" (--weight-cache-socket-dir)" if explicit else "")) from None
 
 
 def run_supervisor(groups, socket_dir, args, log_level: str) -> int:
@@ -409,12 +444,21 @@ def run_supervisor(groups, socket_dir, args, log_level: str) -> int:
 # ------------------------------------------------------------------------------------------------ status
 
 def status_main(args) -> int:
-    from .naming import default_socket_dir
+    from .errors import WeightCacheError
+    from .naming import check_private_dir, default_socket_dir_path
     from .status_table import collect, format_table
 
-    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir()
+    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir_path()
     if not socket_dir.is_dir():
+        if not args.socket_dir:
+            print(f"no weight cache daemons ({socket_dir} does not exist)")
+            return 0
         print(f"weightcache status: error: {socket_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        check_private_dir(socket_dir)  # a socket in a directory others can write may be anyone's
+    except WeightCacheError as e:
+        print(f"weightcache status: error: {e}", file=sys.stderr)
         return 2
     rows = collect(socket_dir, timeout=args.timeout)
     if args.json:

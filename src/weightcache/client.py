@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -16,6 +17,7 @@ import torch
 from . import wire
 from .arena import import_blocks
 from .errors import (
+    DaemonBusy,
     DaemonNotReady,
     DaemonUnavailable,
     KeyMismatch,
@@ -45,7 +47,13 @@ def _connect(path: str | Path, timeout: float) -> socket.socket:
     except PermissionError:
         sock.close()
         raise PermissionDenied(f"not allowed to connect to {path} (socket permissions)") from None
+    except (TimeoutError, BlockingIOError) as e:  # its backlog is full: it is not accepting fast enough
+        sock.close()
+        raise DaemonBusy(f"daemon at {path} did not accept the connection ({e}); retry later") from None
     except OSError as e:
+        if e.errno == errno.EAGAIN:
+            sock.close()
+            raise DaemonBusy(f"daemon at {path} did not accept the connection ({e}); retry later") from None
         sock.close()
         raise DaemonUnavailable(f"cannot connect to {path}: {e}") from None
     return sock
@@ -60,14 +68,19 @@ def _raise_error(msg: wire.Error, path: str) -> None:
         raise DaemonNotReady("failed", message=msg.message)
     if msg.code in ("protocol", "version"):
         raise ProtocolError(f"{path}: {msg.message}")
+    if msg.code == "busy":
+        raise DaemonBusy(f"{path}: daemon busy: {msg.message}")
     raise WeightCacheError(f"{path}: daemon refused ({msg.code}): {msg.message}")
 
 
 def _request(sock: socket.socket, msg, path: str, timeout: float):
-    wire.send_msg(sock, msg)
+    try:
+        wire.send_msg(sock, msg)
+    except OSError:
+        timeout = min(timeout, 1.0)  # it hung up: maybe after saying why (busy), read that
     try:
         reply = wire.recv_msg(sock, deadline=time.monotonic() + timeout)
-    except EOFError:
+    except (EOFError, ConnectionError):
         raise DaemonUnavailable(f"daemon at {path} closed the connection") from None
     except TimeoutError:
         raise DaemonUnavailable(f"daemon at {path} did not answer within {timeout:.1f} s") from None
@@ -229,7 +242,40 @@ def _take(sock, reply: wire.Attached, expect, path: str, mode: str, readonly: bo
         blocks = _copy_blocks(blocks)
     t_views = time.perf_counter()
     tensors = build_views(manifest, blocks)
+    if device.type == "cpu" and mode == "map" and readonly:
+        _name_write_faults(path, manifest, blocks)
     return manifest, device, tensors, (t_manifest, t_import, t_views, time.perf_counter())
+
+
+def _tensors_at(manifest: Manifest, block: int, offset: int) -> list[str]:
+    """Names of the tensors whose storage holds byte `offset` of `block` (the closest ones first)."""
+    names = []
+    for i, st in enumerate(manifest.storages):
+        if st.block == block and st.offset <= offset < st.offset + st.nbytes:
+            at = offset - st.offset
+            mine = [t for t in manifest.tensors if t.storage == i]
+            mine.sort(key=lambda t: (not t.byte_offset <= at, abs(at - t.byte_offset)))
+            names += [t.name for t in mine]
+    return names
+
+
+def _name_write_faults(path: str, manifest: Manifest, blocks: list[torch.Tensor]) -> None:
+    """A write to these read-only mappings kills the engine (SIGSEGV): have it say which tensor first."""
+    from . import faults
+
+    for i, b in enumerate(blocks):
+        start = b.data_ptr()
+        end = start + b.numel()
+
+        def describe(addr: int, i=i, start=start, end=end) -> str:
+            names = _tensors_at(manifest, i, addr - start)
+            what = f"tensor {names[0]!r}" + (f" (storage shared with {', '.join(map(repr, names[1:4]))})"
+                                               if len(names) > 1 else "") if names else "no tensor (padding)"
+            return (f"weightcache: write to read-only weights at {addr:#x}: {what}, block {i} of {path} mapped "
+                    f"at {start:#x}-{end:#x}; attached weights are shared and read-only, attach with "
+                    f"mode=\"copy\" or readonly=False for writable tensors")
+
+        faults.register(start, end, describe)
 
 
 def attach(
@@ -241,8 +287,10 @@ def attach(
     wait: float = 0.0,
     timeout: float = 10.0,
 ) -> Attachment:
-    """Attach a daemon's weights. mode="map" maps them zero-copy (read-only unless readonly=False);
-    mode="copy" gives private writable tensors. While the daemon is loading, waits up to `wait` seconds."""
+    """Attach a daemon's weights. mode="map" maps them zero-copy and read-only; readonly=False makes them
+    writable (on CPU a private copy-on-write mapping: the engine's writes stay its own; on CUDA a shared
+    writable mapping); mode="copy" gives private writable tensors. While the daemon is loading, or is busy
+    (DaemonBusy: too many connections), waits and retries up to `wait` seconds."""
     if mode not in ("map", "copy"):
         raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
     path = str(socket)
@@ -251,14 +299,30 @@ def attach(
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, mode=mode, readonly=readonly, expect=expect,
                        client=f"pid {os.getpid()}")
     t0 = time.perf_counter()
-    sock = _connect(path, timeout)
+    sock = None
+    busy_pause = 0.02
     try:
         while True:
-            with _collector_paused():
-                reply = _request(sock, hello, path, timeout)
-                if isinstance(reply, wire.Attached):
-                    manifest, device, tensors, marks = _take(sock, reply, expect, path, mode, readonly)
-                    break
+            try:
+                if sock is None:
+                    sock = _connect(path, timeout)
+                with _collector_paused():
+                    reply = _request(sock, hello, path, timeout)
+                    if isinstance(reply, wire.Attached):
+                        manifest, device, tensors, marks = _take(sock, reply, expect, path, mode, readonly)
+                        break
+            except DaemonBusy as e:  # refused at the door: a new connection may get in
+                if sock is not None:
+                    sock.close()
+                    sock = None
+                if time.monotonic() + busy_pause > deadline:
+                    raise
+                if time.monotonic() - last_log > 5.0:
+                    log.info("%s; retrying for up to %.0f s more", e, deadline - time.monotonic())
+                    last_log = time.monotonic()
+                time.sleep(busy_pause)
+                busy_pause = min(2 * busy_pause, 0.5)
+                continue
             if not isinstance(reply, wire.NotReady):
                 raise ProtocolError(f"{path}: unexpected reply {type(reply).__name__}")
             if time.monotonic() >= deadline:
@@ -269,7 +333,8 @@ def attach(
                 last_log = time.monotonic()
             time.sleep(0.1)
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
     sock.settimeout(None)
     if mode == "copy":

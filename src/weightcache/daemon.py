@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -27,11 +28,15 @@ from .manifest import (
     release_storage,
     storage_bytes,
 )
-from .naming import ensure_private_dir
+from .naming import check_socket_path, ensure_private_dir
 
 log = logging.getLogger("weightcache.daemon")
 
-IDLE_TIMEOUT = 60.0  # a connection that is not attached must send a request this often
+IDLE_TIMEOUT = 60.0  # a connection that is not attached is dropped this long after its last Hello
+MAX_PER_PEER = 64  # connections one process may hold (attached or not)
+STATUS_RESERVE = 8  # connections past max_clients that may only ask for status
+ACCEPT_QUIET = 2.0  # seconds without an accept error that end an episode of them
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -67,7 +72,10 @@ class Daemon:
         allowed_uids: Iterable[int] | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         hello_timeout: float = 5.0,
+        idle_timeout: float = IDLE_TIMEOUT,
         max_clients: int = 256,
+        max_per_peer: int = MAX_PER_PEER,
+        status_reserve: int = STATUS_RESERVE,
         info: dict[str, str] | None = None,
     ):
         self.socket_path = Path(socket_path)
@@ -78,7 +86,10 @@ class Daemon:
         self.allowed_uids = {os.getuid(), *(allowed_uids or ())}
         self.block_bytes = block_bytes
         self.hello_timeout = hello_timeout
+        self.idle_timeout = idle_timeout
         self.max_clients = max_clients
+        self.max_per_peer = max_per_peer
+        self.status_reserve = status_reserve
         self.info = dict(info or {})
         self.state = "starting"
         self.message = ""
@@ -90,6 +101,7 @@ class Daemon:
         self._signalled = False
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
+        self._per_peer: dict[tuple[int, int], int] = {}  # (uid, pid) -> open connections
         self._started_at = time.time()
         self._done = self._total = 0
         self._load_seconds = 0.0
@@ -110,6 +122,7 @@ class Daemon:
 
     def start(self) -> None:
         """Bind the socket and serve in the background; state becomes "loading"."""
+        check_socket_path(self.socket_path)
         ensure_private_dir(self.socket_path.parent)
         _remove_stale_socket(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -165,6 +178,7 @@ class Daemon:
             self._total = sum(s.nbytes for s in manifest.storages)
             views = build_views(manifest, self._allocate(manifest))
             source.fill(views, self._progress)
+            del views  # the writable views go before the blocks are sealed
             self._finish(manifest, t0)
         except BaseException as e:
             self.fail(f"{type(e).__name__}: {e}")
@@ -187,6 +201,7 @@ class Daemon:
                 for spec, (t, start, end) in zip(manifest.storages, spans, strict=True):
                     blocks[spec.block][spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
                     self._progress(end - start)
+                del blocks  # the writable views go before the blocks are sealed
             else:
                 self._capture(manifest, spans)
             self._finish(manifest, t0)
@@ -315,6 +330,11 @@ class Daemon:
     # ---- serving ----------------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept until closed. Running out of descriptors (EMFILE/ENFILE) or any other accept error never
+        ends the loop: it backs off (up to 1 s) and serves again once it can, logging once per episode (an
+        episode ends after ACCEPT_QUIET seconds without an error)."""
+        backoff = 0.0
+        trouble_since = last_error = None
         while not self._stop.is_set():
             listener = self._listener
             if listener is None:
@@ -323,16 +343,49 @@ class Daemon:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            with self._lock:
-                busy = len(self._connections) >= self.max_clients
-                if not busy:
-                    self._connections.add(conn)
-            if busy:
-                self._refuse(conn, "busy", f"daemon serves {self.max_clients} connections already; retry later")
+            except OSError as e:
+                if self._stop.is_set() or self._listener is None:
+                    return
+                last_error = time.monotonic()
+                if trouble_since is None:
+                    trouble_since = last_error
+                    with self._lock:
+                        n = len(self._connections)
+                    hint = " (out of file descriptors)" if e.errno in _OUT_OF_DESCRIPTORS else ""
+                    log.warning("cannot accept connections%s: %s; %d connection(s) open; retrying until it can",
+                                hint, e.strerror or e, n)
+                backoff = min(max(2 * backoff, 0.01), 1.0)
+                self._stop.wait(backoff)
                 continue
-            threading.Thread(target=self._serve_connection, args=(conn,), name="weightcache-conn", daemon=True).start()
+            backoff = 0.0
+            if trouble_since is not None and time.monotonic() - last_error > ACCEPT_QUIET:
+                log.warning("accepting connections again (for %.1f s it could not)", last_error - trouble_since)
+                trouble_since = None
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Count the connection against the daemon's and its process's limits; past max_clients a few more
+        are let in for status requests only, so that `weightcache status` works through a flood."""
+        try:
+            pid, uid, _ = wire.peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        peer = (uid, pid)
+        with self._lock:
+            total, mine = len(self._connections), self._per_peer.get(peer, 0)
+            full = total >= self.max_clients + self.status_reserve
+            if not full and mine < self.max_per_peer:
+                self._connections.add(conn)
+                self._per_peer[peer] = mine + 1
+        if full:
+            self._refuse(conn, "busy", f"daemon serves {total} connections already; retry later")
+        elif mine >= self.max_per_peer:
+            self._refuse(conn, "busy", f"process {pid} holds {mine} connections already (at most "
+                                       f"{self.max_per_peer}); close some or retry later")
+        else:
+            threading.Thread(target=self._serve_connection, args=(conn, peer, total >= self.max_clients),
+                             name="weightcache-conn", daemon=True).start()
 
     def _refuse(self, conn: socket.socket, code: str, message: str, diffs=()) -> None:
         with self._lock:
@@ -345,37 +398,53 @@ class Daemon:
         finally:
             conn.close()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, conn: socket.socket, peer: tuple[int, int], status_only: bool = False) -> None:
+        """Serve one client. Until it attaches it must keep asking: the first request within hello_timeout,
+        then a Hello (one that waits for the load) at least every idle_timeout; pings and status requests
+        do not keep a connection open. A status-only connection gets one answer."""
         attached = False
+        uid, pid = peer
         try:
-            pid, uid, _ = wire.peer_credentials(conn)
             if uid not in self.allowed_uids:
                 log.warning("refused pid %d: uid %d not allowed", pid, uid)
                 self._refuse(conn, "permission", f"uid {uid} is not allowed to attach (allowed: {sorted(self.allowed_uids)})")
                 return
+            deadline = time.monotonic() + self.hello_timeout
             first = True
             while not self._stop.is_set():
-                deadline = None if attached else time.monotonic() + (self.hello_timeout if first else IDLE_TIMEOUT)
                 if attached:
                     conn.settimeout(None)
                 try:
-                    msg = wire.recv_msg(conn, deadline=deadline)
+                    msg = wire.recv_msg(conn, wire.MAX_REQUEST_FRAME, deadline=None if attached else deadline)
                 except EOFError:
                     return
-                except (TimeoutError, ProtocolError) as e:
+                except TimeoutError as e:
+                    why = "no request" if first else "no attach"
+                    self._refuse(conn, "protocol", f"{why} in time, closing ({e})")
+                    return
+                except ProtocolError as e:
                     self._refuse(conn, "protocol", str(e))
                     return
-                first = False
+                if first:
+                    first = False
+                    deadline = time.monotonic() + self.idle_timeout
                 if isinstance(msg, wire.Ping):
                     wire.send_msg(conn, wire.Pong())
                 elif isinstance(msg, wire.StatusRequest):
                     wire.send_msg(conn, self.status())
                 elif isinstance(msg, wire.Hello) and not attached:
+                    if status_only:
+                        self._refuse(conn, "busy", f"daemon serves {self.max_clients} connections already; "
+                                                   "retry later")
+                        return
                     attached = self._handle_hello(conn, msg)
                     if attached is None:
                         return
+                    deadline = time.monotonic() + self.idle_timeout  # waiting for the load: still wanted
                 else:
                     self._refuse(conn, "protocol", f"unexpected message {type(msg).__name__}")
+                    return
+                if status_only:
                     return
         except OSError:
             return  # peer vanished; nothing of ours is lost
@@ -384,6 +453,11 @@ class Daemon:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                left = self._per_peer.get(peer, 1) - 1
+                if left > 0:
+                    self._per_peer[peer] = left
+                else:
+                    self._per_peer.pop(peer, None)
                 if attached:
                     self._counters["clients_attached"] -= 1
             conn.close()
@@ -416,7 +490,13 @@ class Daemon:
             return False
         manifest = self.manifest
         readonly = hello.readonly or hello.mode == "copy"
-        fds = [b.export_fd(readonly) for b in self._blocks]
+        try:
+            fds = self._export_fds(readonly)
+        except OSError as e:
+            if e.errno not in _OUT_OF_DESCRIPTORS:
+                raise
+            self._refuse(conn, "busy", f"daemon is out of file descriptors ({e.strerror}); retry later")
+            return None
         served = (1, 1, manifest.nbytes)  # counted before the client can see its attach complete
         self._count_attach(*served)
         try:
@@ -437,3 +517,14 @@ class Daemon:
                     self._attach_buckets[i] += 1
                     break
         return True
+
+    def _export_fds(self, readonly: bool) -> list[int]:
+        fds: list[int] = []
+        try:
+            for b in self._blocks:
+                fds.append(b.export_fd(readonly))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds

@@ -36,6 +36,11 @@ class DaemonUnavailable(WeightCacheError):
     """No live daemon at the socket (missing, stale, or it went away)."""
 
 
+class DaemonBusy(DaemonUnavailable):
+    """The daemon is alive but refuses new connections for now (too many, or out of file descriptors):
+    retry. `attach(wait=...)` retries within its wait."""
+
+
 class PermissionDenied(WeightCacheError):
     """The daemon refused this peer (uid not allowed)."""
 

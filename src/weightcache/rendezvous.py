@@ -7,6 +7,7 @@ Readiness and failures are published the same way, so a failure on one node stop
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -29,6 +30,17 @@ class RendezvousError(WeightCacheError):
 def stamp_diff(a: Mapping[str, str], b: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """(field, a's value, b's value) for every field that differs."""
     return [(k, str(a.get(k, "")), str(b.get(k, ""))) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether a TCP port is taken on this host (the store listens on every address, as torch's does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 class Rendezvous:
@@ -63,6 +75,9 @@ class Rendezvous:
         where = f"{self.master_addr}:{self.port}"
         if not self.is_master:
             self._await_master(where)
+        elif self.port and _port_in_use(self.port):
+            raise RendezvousError(f"[{self.group}] rendezvous port {self.port} is already in use on this host: "
+                                  "pick another --weight-cache-master-port")
         try:
             self.store = dist.TCPStore(
                 self.master_addr, self.port, None, self.is_master,
@@ -70,8 +85,9 @@ class Rendezvous:
             )
         except Exception as e:  # DistNetworkError / DistStoreError / RuntimeError
             if self.is_master:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RendezvousError(
-                    f"[{self.group}] node 0 cannot listen on {where}: {e} "
+                    f"[{self.group}] node 0 cannot listen on port {self.port}: {first} "
                     "(is the port in use? pick another --weight-cache-master-port)") from e
             raise RendezvousError(
                 f"[{self.group}] node {self.node_rank} cannot reach the master at {where} within "

@@ -22,7 +22,7 @@ def _from_name(path: Path) -> dict:
 def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
     """One row per *.sock in `socket_dir` (live, stale, unresponsive or refused), sorted by role and rank."""
     from .client import query_status
-    from .errors import DaemonUnavailable, PermissionDenied, WeightCacheError
+    from .errors import DaemonBusy, DaemonUnavailable, PermissionDenied, WeightCacheError
 
     rows = []
     now = time.time()
@@ -31,6 +31,8 @@ def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
                "clients": None, "uptime_s": None, "state": "", "message": "", "pid": None, "status": None}
         try:
             st = query_status(path, timeout=timeout)
+        except DaemonBusy as e:
+            row["state"], row["message"] = "busy", str(e)
         except DaemonUnavailable as e:
             msg = str(e)
             row["state"] = "stale" if "stale" in msg or "gone" in msg else "unreachable"

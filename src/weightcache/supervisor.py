@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 
-from .errors import ArenaOutOfMemory
+from .errors import ArenaOutOfMemory, WeightCacheError
 from .key import CacheKey
 from .layout import Layout, Placement
 
@@ -215,7 +215,11 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
             code = e.code
         message = f"{type(e).__name__}: {e}"
-        log.error("failed: %s\n%s", message, traceback.format_exc())
+        if isinstance(e, WeightCacheError):  # says what is wrong already: the traceback only at DEBUG
+            log.error("failed: %s", message)
+            log.debug("%s", traceback.format_exc())
+        else:
+            log.error("failed: %s\n%s", message, traceback.format_exc())
         _send(conn, "failed", message=message)
     finally:
         if daemon is not None:
@@ -293,6 +297,8 @@ class Supervisor:
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None):
         if not groups:
             raise StartError("nothing to preload", 2)
+        if health_port is not None and not 0 <= health_port <= 65535:
+            raise StartError(f"health port {health_port} is outside 0..65535", 2)
         roles = [g.role for g in groups]
         if len(set(roles)) != len(roles):
             raise StartError(f"each role may appear once, got {roles}", 2)

@@ -52,11 +52,14 @@ class UnsupportedModel(WeightCacheError, ValueError):
 def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{model_dir} has no config.json: not a transformers checkpoint directory") from None
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a model config (a JSON {type(cfg).__name__}, not an object)")
+    return cfg
 
 
 def _checkpoint_float_dtype(model_dir: Path) -> torch.dtype | None:

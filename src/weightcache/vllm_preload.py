@@ -34,7 +34,7 @@ def _strip_engine(argv: list[str]) -> list[str]:
 
 
 def add_weight_cache_arguments(p) -> None:
-    from .cli import DEFAULT_HEALTH_HOST, _non_negative, _port
+    from .cli import DEFAULT_HEALTH_HOST, _port, _port_or_zero
 
     g = p.add_argument_group("weight cache")
     g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
@@ -46,7 +46,7 @@ def add_weight_cache_arguments(p) -> None:
     g.add_argument("--weight-cache-draft-master-port", type=_port, default=None,
                    help="rendezvous port of the draft model's group (default: master port + 1 across nodes, "
                         "else a free port)")
-    g.add_argument("--weight-cache-health-port", type=_non_negative, default=None,
+    g.add_argument("--weight-cache-health-port", type=_port_or_zero, default=None,
                    help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
     g.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST)
     g.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S")
@@ -166,9 +166,7 @@ def _download(vllm_config) -> None:
 def _preload(args) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
-    from .cli import UsageError, run_supervisor
-    from .errors import WeightCacheError
-    from .naming import default_socket_dir, ensure_private_dir
+    from .cli import UsageError, _socket_dir, run_supervisor
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -181,12 +179,9 @@ def _preload(args) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     _download(vllm_config)
-    try:
-        socket_dir = ensure_private_dir(args.weight_cache_socket_dir) if args.weight_cache_socket_dir \
-            else default_socket_dir()
-    except (OSError, WeightCacheError) as e:
-        raise UsageError(f"socket directory: {e}") from None
     groups = plan_groups(args, vllm_config)
+    socket_dir = _socket_dir(args.weight_cache_socket_dir, [g.role for g in groups],
+                             max(g.layout.world_size for g in groups), groups[0].layout.device_type)
     return run_supervisor(groups, socket_dir, args, args.weight_cache_log_level)
 
 

@@ -19,7 +19,9 @@ from .key import CacheKey, FieldDiff
 from .manifest import Manifest
 
 PROTOCOL_VERSION = 2  # 2: manifest specs travel as arrays
-MAX_FRAME = 64 << 20
+MAX_FRAME = 64 << 20  # daemon -> client (a large model's manifest)
+MAX_REQUEST_FRAME = 256 << 10  # client -> daemon: a Hello with its key, a status request, a ping
+RECV_CHUNK = 64 << 10  # a frame's buffer grows with what has arrived, never ahead of it
 FD_BATCH = 250  # below the kernel's SCM_MAX_FD (253)
 FD_MARKER = b"F"
 ATTACH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -111,8 +113,9 @@ def decode(body: bytes):
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """Read exactly n bytes. Memory grows with the bytes that arrived (each read asks for at most what is
+    held already, or RECV_CHUNK): a header announcing a large frame costs nothing until its body comes."""
+    chunks: list[bytes] = []
     got = 0
     while got < n:
         if deadline is not None:
@@ -120,13 +123,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
             if left <= 0:
                 raise TimeoutError(f"frame not complete in time ({got} of {n} bytes)")
             sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
+        chunk = sock.recv(min(n - got, max(RECV_CHUNK, got)))
+        if not chunk:
             if got == 0:
                 raise EOFError("peer closed the connection")
             raise ProtocolError(f"connection closed inside a frame ({got} of {n} bytes)")
-        got += k
-    return bytes(buf)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def send_msg(sock: socket.socket, msg) -> None:

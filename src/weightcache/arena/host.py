@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import warnings
@@ -12,7 +13,10 @@ import torch
 
 from ..errors import ArenaOutOfMemory
 
+log = logging.getLogger("weightcache.arena")
+
 PAGE = mmap.PAGESIZE
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
@@ -63,40 +67,66 @@ class HostBlock:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise _out_of_memory(self.nbytes, e.strerror) from None
                 raise
-            self._mm = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._writable = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
-        self.tensor = _tensor_over(self._mm)
+        self._mm = None  # the read-only mapping, once sealed
+        self.tensor = _tensor_over(self._writable)
 
     def seal(self) -> None:
-        """No one (importers included) may shrink or grow the file after the fill."""
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        """After the fill no one may write the block again, the daemon included, nor an engine that reopens
+        the memfd read-write through /proc: the daemon swaps its writable mapping for a read-only one and
+        seals the file against writes (F_SEAL_WRITE once no writable mapping is left, else against every
+        future write), shrinking and growing, and further seals."""
+        if self._writable is None:
+            return  # sealed already
+        ro = self.export_fd(True)  # a shared mapping of a read-write fd could be made writable again
+        try:
+            self._mm = mmap.mmap(ro, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(ro)
+        self._writable = None  # unmapped now, or when the last view of the fill dies (never under a live view)
+        self.tensor = _tensor_over(self._mm)
+        base = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, base | fcntl.F_SEAL_WRITE)
+        except OSError as e:
+            if e.errno != errno.EBUSY:  # EBUSY: a writable mapping is left
+                raise
+            log.debug("a writable view of a %d-byte block outlived its fill; sealing against future writes",
+                      self.nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, base | F_SEAL_FUTURE_WRITE)
 
     def export_fd(self, readonly: bool) -> int:
-        """A new descriptor for a client; read-only ones cannot be mapped writable."""
-        if readonly:
-            return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        return os.dup(self.fd)
+        """A new read-only descriptor for a client. A sealed block cannot be mapped writable and shared by
+        anyone: engines that ask for writable tensors (readonly=False) map it privately (copy-on-write)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         self.tensor = None
-        self._mm = None  # unmapped when the last view dies
+        self._mm = self._writable = None  # unmapped when the last view dies
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
 def import_host_blocks(fds: list[int], sizes: list[int], readonly: bool) -> list[torch.Tensor]:
-    """Map received memfds; closes the fds. Mappings live as long as any tensor over them."""
+    """Map received memfds; closes the fds. Mappings live as long as any tensor over them. Read-only
+    mappings are shared; writable ones (readonly=False) are private copy-on-write mappings: the engine's
+    writes land in its own pages, the shared (sealed) weights never change."""
     out = []
     try:
         for fd, size in zip(fds, sizes, strict=True):
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ValueError(f"block file is {actual} bytes, manifest says {size}")
-            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            out.append(_tensor_over(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)))
+            if readonly:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            else:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            out.append(_tensor_over(mm))
     finally:
         for fd in fds:
             os.close(fd)

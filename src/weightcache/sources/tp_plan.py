@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -216,6 +217,8 @@ class TPPlan:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise TPPlanError(f"cannot read {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise TPPlanError(f"{path}: not a model config (a JSON {type(raw).__name__}, not an object)")
         base = raw.get("base_model_tp_plan") or {}
         return cls(base, prefix="model", source=f"{path} base_model_tp_plan")
 
@@ -267,6 +270,32 @@ def _model_class(config):
         except Exception:
             continue
     return None
+
+
+def check_tp_size(config: Mapping, tp_size: int) -> None:
+    """transformers' plans split attention by heads (query and key/value), the MLP by its intermediate size and
+    the output projection by the vocabulary: each must divide by the TP size. Refuses, naming what does not and
+    the sizes that would work, before any rank loads."""
+    if tp_size <= 1:
+        return
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    heads = cfg.get("num_attention_heads")
+    sizes = {
+        "attention heads": heads,
+        "key/value heads": cfg.get("num_key_value_heads") or heads,
+        "intermediate size": cfg.get("intermediate_size"),
+        "vocabulary size": cfg.get("vocab_size"),
+    }
+    sizes = {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    bad = {k: v for k, v in sizes.items() if v % tp_size}
+    if not bad:
+        return
+    what = ", ".join(f"{v} {k}" for k, v in bad.items())
+    common = math.gcd(*sizes.values())
+    fits = [n for n in range(1, common + 1) if common % n == 0]
+    larger = " is larger than" if all(v < tp_size for v in bad.values()) else " does not divide"
+    raise TPPlanError(f"tensor parallel size {tp_size}{larger} the model's {what}; transformers' plan splits "
+                      f"each over the ranks: use one of {', '.join(map(str, fits[:12]))}")
 
 
 def resolve_plan(model_dir: str | Path, tp_plan: Mapping[str, str] | TPPlan | str | None = None) -> TPPlan:

@@ -1,0 +1,206 @@
+"""Chaos, bounded to a few seconds: while engines attach, other processes exhaust the daemon's descriptors, flood
+it with pinging and idle connections, send frame headers that announce 64 MiB and then trickle, and say Hello
+one byte at a time; then the daemon is stopped (SIGSTOP) and killed (SIGKILL) under the engines. Every attach
+that succeeds gets the right bytes, the daemon is alive and serving when the chaos ends, engines keep their
+weights through its death, and its replacement serves the right bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import weightcache as wc
+from procs import bits, sample_tensors, start_daemon
+from weightcache import wire
+from weightcache.key import CacheKey
+
+KEY = CacheKey(model="sample", content_digest="d0")
+CHAOS_SECONDS = 3.0
+
+# Runs without torch (starts in milliseconds); frames come ready-made from the test.
+CHAOS = r"""
+import os, socket, sys, threading, time
+path, seconds, ping, hello = sys.argv[1], float(sys.argv[2]), bytes.fromhex(sys.argv[3]), bytes.fromhex(sys.argv[4])
+end = time.monotonic() + seconds
+
+def conn():
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(0.5)
+    s.connect(path)
+    return s
+
+def forever(fn):
+    def run():
+        while time.monotonic() < end:
+            try:
+                fn()
+            except OSError:
+                time.sleep(0.01)
+    return run
+
+def idle():  # holds a descriptor until the daemon drops it
+    s = conn()
+    try:
+        s.settimeout(max(0.01, end - time.monotonic()))
+        s.recv(1)
+    finally:
+        s.close()
+
+def pinger():
+    s = conn()
+    try:
+        while time.monotonic() < end:
+            s.sendall(ping)
+            if not s.recv(64):
+                return
+            time.sleep(0.02)
+    finally:
+        s.close()
+
+def amplifier():  # announces 64 MiB, then trickles
+    s = conn()
+    try:
+        s.sendall((64 << 20).to_bytes(4, "big"))
+        while time.monotonic() < end:
+            s.sendall(b"\x00" * 64)
+            time.sleep(0.05)
+    finally:
+        s.close()
+
+def slow_hello():
+    s = conn()
+    try:
+        for i in range(len(hello)):
+            s.sendall(hello[i:i + 1])
+            time.sleep(0.1)
+            if time.monotonic() > end:
+                return
+    finally:
+        s.close()
+
+kinds = [idle] * 12 + [pinger] * 4 + [amplifier] * 4 + [slow_hello] * 4
+threads = [threading.Thread(target=forever(k), daemon=True) for k in kinds]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(seconds + 5)
+"""
+
+
+def _sock(sockdir):
+    return os.path.join(sockdir, "r0.sock")
+
+
+class Engines:
+    """Threads that attach again and again, check every byte, and keep one attachment each."""
+
+    def __init__(self, path: str, n: int = 3, **attach_kw):
+        self.path, self.attach_kw = path, attach_kw
+        self.expected = sample_tensors()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.wrong: list[str] = []
+        self.kept: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                att = wc.attach(self.path, expect=KEY, **self.attach_kw)
+            except wc.WeightCacheError as e:
+                with self._lock:
+                    self.failures.append(type(e).__name__)
+                time.sleep(0.05)
+                continue
+            bad = [n for n, t in self.expected.items() if not torch.equal(bits(att[n]), bits(t))]
+            with self._lock:
+                self.ok += 1
+                self.wrong += bad
+                if len(self.kept) < 3:
+                    self.kept.append(att)
+                    continue
+            att.close()
+
+    def stop(self):
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def _still_right(att, expected) -> bool:
+    return all(torch.equal(bits(att[n]), bits(t)) for n, t in expected.items())
+
+
+def test_chaos_then_the_daemon_or_its_replacement_serves_the_right_bytes(sockdir, tmp_path):
+    path = _sock(sockdir)
+    log = open(tmp_path / "daemon.stderr", "w")
+    proc = start_daemon(path, nofile=48, hello_timeout=1.0, idle_timeout=2.0, max_clients=48, max_per_peer=24,
+                        status_reserve=4, stderr=log)
+    replacement = None
+    ping = wire.encode(wire.Ping()).hex()
+    hello = wire.encode(wire.Hello(protocol=wire.PROTOCOL_VERSION, expect=KEY)).hex()
+    chaos = [subprocess.Popen([sys.executable, "-c", CHAOS, path, str(CHAOS_SECONDS), ping, hello])
+             for _ in range(3)]
+    try:
+        engines = Engines(path, wait=5.0, timeout=2.0)
+        for c in chaos:
+            assert c.wait(CHAOS_SECONDS + 30) == 0
+        engines.stop()
+        assert not engines.wrong, engines.wrong
+        assert engines.ok > 0, f"no engine got through the chaos: {engines.failures[-5:]}"
+        assert proc.poll() is None, "the daemon survived the chaos"
+        assert "out of file descriptors" in (tmp_path / "daemon.stderr").read_text(), "the chaos exhausted them"
+        with wc.attach(path, expect=KEY, wait=10.0) as att:  # and serves once it is over
+            assert _still_right(att, engines.expected)
+        assert wc.query_status(path).state == "ready"
+
+        # SIGSTOP while engines attach: they time out, and the daemon serves again after SIGCONT
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(wc.DaemonUnavailable):
+                wc.attach(path, expect=KEY, timeout=0.5)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        with wc.attach(path, expect=KEY, wait=10.0) as att:
+            assert _still_right(att, engines.expected)
+
+        # SIGKILL while engines attach: what they hold stays right; a replacement serves the right bytes
+        engines = Engines(path, wait=0.0, timeout=1.0)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        time.sleep(0.3)
+        engines.stop()
+        assert not engines.wrong, engines.wrong
+        assert engines.kept, "the engines attached before the kill"
+        for att in engines.kept:
+            assert _still_right(att, engines.expected)
+        with pytest.raises(wc.DaemonUnavailable, match="stale"):
+            wc.attach(path, expect=KEY)
+        replacement = start_daemon(path)
+        with wc.attach(path, expect=KEY) as att:
+            assert _still_right(att, engines.expected)
+        for att in engines.kept:
+            att.close()
+    finally:
+        for c in chaos:
+            c.kill()
+            c.wait()
+        for p in (proc, replacement):
+            if p is not None:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+        log.close()
