@@ -8,11 +8,18 @@ Start-up, per node:
 3. wait until each (role, rank) is ready on every node; print one READY line; hold until SIGINT/SIGTERM.
 A daemon that exits during start-up stops the start on every node. Children die with the supervisor
 even when it is SIGKILLed (PR_SET_PDEATHSIG plus a lifeline pipe they watch).
+
+With a custodian (custodian.py, the default), each daemon first asks it for the cache of its exact key and
+serves that without a load; a daemon that loads hands its blocks to the custodian. So a daemon that dies
+after READY is replaced at once (no checkpoint read), and a `preload` that was SIGKILLed comes back READY
+without a load. An orderly stop releases the weights unless asked to keep them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -40,6 +47,9 @@ TERM_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 FAIL_GRACE_S = 0.5  # after a first failure, collect other ranks failing at the same moment
 PR_SET_PDEATHSIG = 1
 EXIT_OOM = 3  # a daemon ran out of device or host memory
+EXIT_KEY_CHANGED = 4  # a replacement daemon computed another key than its rank agreed on: never restarted
+MAX_FAILED_RESTARTS = 5  # consecutive replacements that died before ready: give up on that rank
+RESTART_BACKOFF_MAX_S = 30.0
 GO = b"go"
 
 
@@ -130,6 +140,8 @@ class ChildSpec:
     master_port: int
     info: dict
     log_level: int = logging.INFO
+    custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
 
 
 # ---------------------------------------------------------------------------------------------- child side
@@ -160,6 +172,23 @@ def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
     threading.Thread(target=watch, name="weightcache-lifeline", daemon=True).start()
 
 
+class LazySource:
+    """The group's source, built on first use: a daemon that takes its cache from the custodian never builds
+    it (building one may read the checkpoint's headers)."""
+
+    def __init__(self, make: Callable, placement: Placement, args: dict):
+        self._make, self._placement, self._args = make, placement, args
+        self._source = None
+
+    def get(self):
+        if self._source is None:
+            self._source = self._make(self._placement, **self._args)
+        return self._source
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+
 def _send(conn, kind: str, **fields) -> None:
     try:
         conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
@@ -187,31 +216,42 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
             import torch
 
             torch.cuda.set_device(p.local_index)  # local index == device index
-        source = spec.make_source(p, **spec.source_args)
+        source = LazySource(spec.make_source, p, spec.source_args)
         key = spec.make_key(source, p, layout=spec.layout, role=spec.role, **spec.key_args)
         if key.rank != p.rank or key.role != spec.role or key.layout != spec.layout:
             raise ValueError(f"make_key returned rank {key.rank}/{key.role}/{key.layout} for rank {p.rank}/"
                              f"{spec.role}/{spec.layout}")
+        if spec.expect_key is not None:
+            from .key import diff
+
+            changed = diff(spec.expect_key, key)
+            if changed:
+                code = EXIT_KEY_CHANGED
+                raise ValueError("the weights changed since this rank started (" + ", ".join(
+                    f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
         path = socket_path(spec.socket_dir, key, device_tag(p.device))
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
-        daemon = Daemon(path, key, device=p.device, info=info)
+        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None)
         daemon.start()
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
         while not go.wait(0.5):
             pass
-        if hasattr(source, "load_into"):  # builds its own tensors (vLLM's loader); packs them with sharing kept
+        if daemon.adopt():
+            pass  # the custodian held this exact cache: served again without a load
+        elif hasattr(source.get(), "load_into"):  # builds its own tensors (vLLM's loader); packed, sharing kept
             source.load_into(daemon)
         else:
-            daemon.load(source)
+            daemon.load(source.get())
         st = daemon.status()
-        _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds)
+        _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds,
+              adopted=st.adopted, held=st.held, ready_seconds=st.ready_seconds)
         daemon.serve_forever()
     except _Terminated:
         code = 0
     except BaseException as e:
         oom = isinstance(e, (ArenaOutOfMemory, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
-        code = EXIT_OOM if oom else 1
+        code = EXIT_OOM if oom else (code or 1)
         if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
             code = e.code
         message = f"{type(e).__name__}: {e}"
@@ -241,6 +281,10 @@ class Child:
     state: str = "spawned"  # spawned | started | ready | failed
     message: str = ""
     ready_info: dict = field(default_factory=dict)
+    replacement: bool = False  # started after READY in place of a daemon that died
+    go_sent: bool = False
+    announced: bool = False
+    reported: bool = False  # its exit was logged
 
     @property
     def label(self) -> str:
@@ -271,6 +315,27 @@ class Child:
                 self.state, self.message = "failed", msg.get("message", "")
 
 
+def remove_stale_socket(path: Path) -> None:
+    """Unlink a socket no daemon listens on any more."""
+    import socket
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    except OSError:
+        pass
+    finally:
+        probe.close()
+
+
 def exit_code_of(exitcode: int | None) -> int:
     """The supervisor's exit code for a daemon's: a signal N maps to 128+N, a clean 0 during start-up to 1."""
     if exitcode is None:
@@ -290,7 +355,8 @@ def ranks_text(ranks: list[int]) -> str:
 class Supervisor:
     def __init__(self, groups: list[Group], *, socket_dir: str | Path, health_host: str = "127.0.0.1",
                  health_port: int | None = None, start_timeout: float = 3600.0,
-                 rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None):
+                 rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
+                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True):
         if not groups:
             raise StartError("nothing to preload", 2)
         roles = [g.role for g in groups]
@@ -312,8 +378,16 @@ class Supervisor:
         self.http = None
         self.ready = False
         self._ctx = mp.get_context("spawn")
-        self._reported: set[int] = set()
         self._marked: set[str] = set()
+        self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
+        self.custodian = None  # our connection to it (custodian.CustodianClient); it lives while we do
+        self._custodian_lost = False
+        self._stopped_by_signal = False
+        self._owned: set[str] = set()  # names (socket file names) our daemons bound: the caches we stand for
+        self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
+        self.restarts: dict[tuple[str, int], int] = {}
+        self._failed_restarts: dict[tuple[str, int], int] = {}
+        self._pending: dict[int, float] = {}  # child index -> when to start its replacement
 
     @property
     def node_rank(self) -> int:
@@ -335,6 +409,7 @@ class Supervisor:
             code = self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
+            self._stopped_by_signal = True
             if not self.ready:  # the other nodes must not wait for this one
                 failure = StartError(f"node {self.node_rank} was stopped ({t}) during start-up", 0)
         except BaseException as e:
@@ -356,6 +431,8 @@ class Supervisor:
         ensure_private_dir(self.socket_dir)
         if self.health_port is not None:
             self._start_http()
+        if self.use_custodian:
+            self._open_custodian()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
                              nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
@@ -371,29 +448,169 @@ class Supervisor:
         for g in self.groups:
             self._agree(g)
         for c in self.children:
+            self._keys[(c.spec.role, c.spec.placement.rank)] = c.key
+        self._prune()
+        for c in self.children:
             c.lifeline.send_bytes(GO)
         self._wait_for(self._all_ready, "to load")
         self.ready = True
+        adopted = [c for c in self.children if c.ready_info.get("adopted")]
+        if adopted:
+            slowest = max(float(c.ready_info.get("load_seconds", 0)) for c in adopted)
+            log.info("%d of %d daemon(s) took their weights from the custodian (no load; the slowest in %.1f ms)",
+                     len(adopted), len(self.children), slowest * 1e3)
         self._print_ready()
 
     def hold(self) -> int:
-        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503); when
-        none is left, return the worst exit code."""
+        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503) and
+        replaced by a new daemon for its rank, which takes the cache from the custodian (a replacement that
+        dies before it is ready is retried with a growing delay, then given up). When no daemon is left and
+        none is due to be replaced, return the worst exit code."""
         while True:
-            sentinels = [c.proc.sentinel for c in self.children if not c.exited]
-            if sentinels:
-                mpc.wait(sentinels, timeout=1.0)
+            waitables = [c.proc.sentinel for c in self.children if not c.exited]
+            waitables += [c.conn for c in self.children if c.conn is not None and c.state != "ready"]
+            if waitables:
+                mpc.wait(waitables, timeout=0.2 if self._pending else 1.0)
             else:
-                time.sleep(1.0)
-            for c in self.children:
+                time.sleep(0.2)
+            for i, c in enumerate(self.children):
                 c.drain()
-                if c.exited and id(c) not in self._reported:
-                    self._reported.add(id(c))
-                    log.error("%s exited with code %s after it was ready%s", c.label, c.proc.exitcode,
-                              f": {c.message}" if c.message else "")
-            if all(c.exited for c in self.children):
+                if c.socket:
+                    self._owned.add(Path(c.socket).name)
+                if c.replacement:
+                    self._tend_replacement(c)
+                if c.exited and not c.reported:
+                    c.reported = True
+                    self._on_exit(i, c)
+            self._start_due_replacements()
+            self._watch_custodian()
+            if all(c.exited for c in self.children) and not self._pending:
                 log.error("every daemon of this node has exited; stopping")
                 return max(exit_code_of(c.proc.exitcode) for c in self.children)
+
+    def _on_exit(self, i: int, c: Child) -> None:
+        slot = (c.spec.role, c.spec.placement.rank)
+        why = f": {c.message}" if c.message else ""
+        if c.state == "ready":
+            self._failed_restarts[slot] = 0
+            log.error("%s exited with code %s after it was ready%s", c.label, c.proc.exitcode, why)
+        else:
+            self._failed_restarts[slot] = self._failed_restarts.get(slot, 0) + 1
+            log.error("%s (a replacement) exited with code %s before it was ready%s", c.label, c.proc.exitcode, why)
+        if not self.restart:
+            return
+        if c.proc.exitcode == EXIT_KEY_CHANGED:
+            log.error("%s is not replaced: its weights changed on disk; restart preload to serve them", c.label)
+            return
+        failures = self._failed_restarts[slot]
+        if failures >= MAX_FAILED_RESTARTS:
+            log.error("%s: %d replacements in a row died before they were ready; giving up on it", c.label, failures)
+            return
+        delay = 0.0 if failures == 0 else min(RESTART_BACKOFF_MAX_S, 2.0 ** (failures - 1))
+        log.warning("%s: starting a replacement%s", c.label, f" in {delay:.0f} s" if delay else "")
+        self._pending[i] = time.monotonic() + delay
+
+    def _start_due_replacements(self) -> None:
+        now = time.monotonic()
+        for i, due in sorted(self._pending.items()):
+            if due > now:
+                continue
+            del self._pending[i]
+            old = self.children[i]
+            slot = (old.spec.role, old.spec.placement.rank)
+            with contextlib.suppress(OSError):
+                old.lifeline.close()
+            spec = dataclasses.replace(old.spec, expect_key=self._keys.get(slot), supervisor_pid=os.getpid())
+            new = self._start_child(spec)
+            new.replacement = True
+            self.children[i] = new
+            self.restarts[slot] = self.restarts.get(slot, 0) + 1
+            with contextlib.suppress(ValueError):
+                old.proc.close()  # its sentinel fd
+
+    def _tend_replacement(self, c: Child) -> None:
+        """A replacement daemon needs no agreement (its key is checked against the agreed one): go at once."""
+        if c.state == "started" and not c.go_sent:
+            c.go_sent = True
+            with contextlib.suppress(OSError):
+                c.lifeline.send_bytes(GO)
+        if c.state == "ready" and not c.announced:
+            c.announced = True
+            slot = (c.spec.role, c.spec.placement.rank)
+            self._failed_restarts[slot] = 0
+            info = c.ready_info
+            how = (f"took its weights from the custodian in {float(info.get('load_seconds', 0)) * 1e3:.1f} ms "
+                   "(no load)" if info.get("adopted") else f"loaded in {float(info.get('load_seconds', 0)):.2f} s")
+            log.info("%s is back (replacement %d, pid %d): %s; %.1f ms from its socket to ready", c.label,
+                     self.restarts.get(slot, 0), c.proc.pid, how, float(info.get("ready_seconds", 0)) * 1e3)
+
+    # -- the custodian -----------------------------------------------------------------------------------
+
+    def _open_custodian(self) -> None:
+        from .custodian import connect_or_launch
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        try:
+            self.custodian = connect_or_launch(self.socket_dir, client=f"supervisor pid {os.getpid()}")
+        except WeightCacheError as e:
+            log.warning("no custodian (%s): the weights will not outlive their daemons", e)
+            return
+        held = self.custodian.holdings().holdings
+        log.info("custodian pid %d holds %d cache(s)%s", self.custodian.pid, len(held),
+                 f" ({human_bytes(sum(h.nbytes for h in held))})" if held else "")
+
+    def _custodian_socket(self) -> str:
+        return str(self.custodian.path) if self.custodian is not None else ""
+
+    def _prune(self) -> None:
+        """Release what the custodian holds for our roles and models under other keys (other flags, another
+        layout, a changed checkpoint) before anything loads: the memory is needed, and it is never served."""
+        if self.custodian is None:
+            return
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        for g in self.groups:
+            mine = [c for c in self.children if c.spec.role == g.role]
+            keep = [Path(c.socket).name for c in mine]
+            try:
+                gone = self.custodian.prune(g.role, mine[0].key.model, keep)
+            except WeightCacheError as e:
+                log.warning("custodian: %s", e)
+                continue
+            if gone.names:
+                log.info("released %d cache(s) of %s held under another key (%s): %s", len(gone.names),
+                         mine[0].key.model, human_bytes(gone.nbytes), ", ".join(gone.names))
+            for name in gone.names:  # the sockets their killed daemons left behind
+                remove_stale_socket(self.socket_dir / name)
+
+    def _watch_custodian(self) -> None:
+        if self.custodian is not None and not self._custodian_lost and self.custodian.lost():
+            self._custodian_lost = True
+            log.error("the custodian (pid %d) is gone: the weights now live only as long as their daemons",
+                      self.custodian.pid)
+
+    def _release_held(self, failure: BaseException | None) -> None:
+        if self.custodian is None:
+            return
+        from .errors import WeightCacheError
+
+        self._owned.update(Path(c.socket).name for c in self.children if c.socket)
+        try:
+            if failure is not None or not (self.keep_on_stop and self._stopped_by_signal):
+                gone = self.custodian.release(sorted(self._owned))
+                if gone.names:
+                    log.info("released %d cache(s) held by the custodian", len(gone.names))
+            else:
+                held = {h.name for h in self.custodian.holdings().holdings} & self._owned
+                log.info("the custodian (pid %d) keeps %d cache(s) for the next preload; `weightcache release "
+                         "--socket-dir %s` frees them", self.custodian.pid, len(held), self.socket_dir)
+        except WeightCacheError as e:
+            log.warning("custodian: %s", e)
+        finally:
+            self.custodian.close()
+            self.custodian = None
 
     def shutdown(self, failure: BaseException | None = None) -> None:
         from .rendezvous import RendezvousError
@@ -401,7 +618,9 @@ class Supervisor:
         if failure is not None and not isinstance(failure, RendezvousError):
             for rdv in self.rendezvous.values():
                 rdv.fail(str(failure))
+        self._pending.clear()
         self._terminate_children()
+        self._release_held(failure)
         for rdv in self.rendezvous.values():
             rdv.close()
         if self.http is not None:
@@ -415,19 +634,26 @@ class Supervisor:
                          make_source=g.make_source, source_args=dict(g.source_args),
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
-                         master_port=g.master_port, info=dict(g.info), log_level=self.log_level)
+                         master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
+                         custodian=self._custodian_socket())
+        self.children.append(self._start_child(spec))
+
+    def _start_child(self, spec: ChildSpec) -> Child:
+        p = spec.placement
         status_r, status_w = self._ctx.Pipe(duplex=False)
         life_r, life_w = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=child_main, args=(spec, status_w, life_r),
-                                 name=f"weightcache-{g.role}-r{p.rank}")
+                                 name=f"weightcache-{spec.role}-r{p.rank}")
         proc.start()
         status_w.close()  # the child holds the only writer: EOF when it dies
         life_r.close()  # the child holds the only reader of its lifeline
-        self.children.append(Child(spec, proc, status_r, life_w))
+        return Child(spec, proc, status_r, life_w)
 
     def _check_children(self) -> None:
         for c in self.children:
             c.drain()
+            if c.socket:
+                self._owned.add(Path(c.socket).name)
         if any(c.exited for c in self.children):
             self._fail_start()
 
@@ -468,6 +694,7 @@ class Supervisor:
     def _all_ready(self) -> bool:
         if not all(c.state == "ready" for c in self.children):
             return False
+
         for role, rdv in self.rendezvous.items():
             if role not in self._marked:
                 mine = [c for c in self.children if c.spec.role == role]
@@ -486,7 +713,7 @@ class Supervisor:
         dead = [c for c in self.children if c.exited]
         lines, worst = [], 0
         for c in dead:
-            self._reported.add(id(c))
+            c.reported = True
             worst = max(worst, exit_code_of(c.proc.exitcode))
             why = c.message or (f"killed by {signal.Signals(-c.proc.exitcode).name}" if c.proc.exitcode < 0
                                 else "exited without saying why")
@@ -558,7 +785,8 @@ class Supervisor:
         for c in list(self.children):
             c.drain()
             p = c.spec.placement
-            e = DaemonEntry(c.spec.role, p.rank, c.socket, device=p.device, pid=c.proc.pid)
+            e = DaemonEntry(c.spec.role, p.rank, c.socket, device=p.device, pid=c.proc.pid,
+                            restarts=self.restarts.get((c.spec.role, p.rank), 0))
             e.alive = not c.exited
             if not e.alive:
                 e.exitcode = c.proc.exitcode
@@ -576,17 +804,28 @@ class Supervisor:
     def info(self) -> dict:
         return {
             "node_rank": self.node_rank, "nnodes": self.nnodes, "ready": self.ready,
-            "socket_dir": str(self.socket_dir),
+            "socket_dir": str(self.socket_dir), "custodian": self._custodian_info(),
             "groups": [{"role": g.role, "layout": g.layout.describe(), "world_size": g.layout.world_size,
                         "master_port": g.master_port,
                         "cluster": self.rendezvous[g.role].cluster_state() if g.role in self.rendezvous else {}}
                        for g in self.groups],
         }
 
+    def _custodian_info(self) -> dict:
+        client = self.custodian
+        if client is None or self._custodian_lost:
+            return {"up": False}
+        return {"up": True, "pid": client.pid, "socket": str(client.path)}
+
+    def _custodian_metrics(self) -> list[tuple[str, str, float]]:
+        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs",
+                 1.0 if self._custodian_info()["up"] else 0.0)]
+
     def _start_http(self) -> None:
         from .http import HealthServer, build_app
 
-        self.http = HealthServer(build_app(self.entries, self.info), self.health_host, self.health_port)
+        self.http = HealthServer(build_app(self.entries, self.info, self._custodian_metrics), self.health_host,
+                                 self.health_port)
         try:
             port = self.http.start()
         except (OSError, TimeoutError) as e:

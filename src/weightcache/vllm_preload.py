@@ -34,7 +34,7 @@ def _strip_engine(argv: list[str]) -> list[str]:
 
 
 def add_weight_cache_arguments(p) -> None:
-    from .cli import DEFAULT_HEALTH_HOST, _non_negative, _port
+    from .cli import DEFAULT_HEALTH_HOST, _non_negative, _port, add_custodian_arguments
 
     g = p.add_argument_group("weight cache")
     g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
@@ -52,6 +52,7 @@ def add_weight_cache_arguments(p) -> None:
     g.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S")
     g.add_argument("--weight-cache-rendezvous-timeout", type=float, default=600.0, metavar="S")
     g.add_argument("--weight-cache-log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_custodian_arguments(g)
 
 
 def build_parser():
