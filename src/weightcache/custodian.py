@@ -229,6 +229,7 @@ class Custodian:
         self._listener: socket.socket | None = None
         self._inode = 0
         self._idle_since = time.monotonic()
+        self._contacted = False  # a client said hello: the first-contact wait is over
         self._closed = False
 
     # -- lifecycle
@@ -273,7 +274,7 @@ class Custodian:
                     if not idle:
                         self._idle_since = time.monotonic()
                     quiet = idle and time.monotonic() - self._idle_since >= self.linger
-                if quiet and time.monotonic() >= contact_by:
+                if quiet and (self._contacted or time.monotonic() >= contact_by):
                     log.info("nothing held and no one connected: exiting")
                     break
         finally:
@@ -353,6 +354,7 @@ class Custodian:
                 return
             with self._lock:
                 self._conns[conn] = pid
+                self._contacted = True
             conn.settimeout(None)
             wire.send_msg(conn, Welcome(protocol=PROTOCOL, pid=os.getpid(), started_at=self.started_at))
             while not self._stop.is_set():

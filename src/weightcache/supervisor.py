@@ -285,6 +285,7 @@ class Child:
     go_sent: bool = False
     announced: bool = False
     reported: bool = False  # its exit was logged
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the HTTP thread drains too
 
     @property
     def label(self) -> str:
@@ -296,6 +297,10 @@ class Child:
         return self.proc.exitcode is not None
 
     def drain(self) -> None:
+        with self.lock:
+            self._drain()
+
+    def _drain(self) -> None:
         while self.conn is not None:
             try:
                 if not self.conn.poll():
@@ -484,7 +489,7 @@ class Supervisor:
                     self._on_exit(i, c)
             self._start_due_replacements()
             self._watch_custodian()
-            if all(c.exited for c in self.children) and not self._pending:
+            if all(c.reported for c in self.children) and not self._pending:  # each exit handled
                 log.error("every daemon of this node has exited; stopping")
                 return max(exit_code_of(c.proc.exitcode) for c in self.children)
 
