@@ -152,9 +152,22 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
     assert {r: block_digests(d["socket"]) for r, d in now.items()} == served
     sigkill_all(again)
 
+    # ranks of a group may load only together (vLLM's process group): all of them adopt, or none
+    assert main(["release", "--socket-dir", str(sdir), os.path.basename(socks[1])]) == 0
+    partly = Preload(args, env, tmp_path, "p3")
+    preloads.append(partly)
+    partly.wait_ready()
+    assert "the custodian holds the weights of some ranks only; released them" in partly.stderr, partly.stderr
+    assert "took their weights from the custodian" not in partly.stderr
+    assert weight_files_opened(watch.events())
+    sigkill_all(partly)
+    if device == "cpu":
+        assert old and not old & memfd_inodes(), "the first load's memory is freed"
+        old = memfd_inodes([custodian.pid])
+
     # other flags: the held caches are released (never served under another key) and the model loads afresh
     third = Preload([ckpt, "--device", device, "--weight-cache-socket-dir", sdir, "--dtype", "bfloat16",
-                     "--weight-cache-keep-on-stop"], env, tmp_path, "p3")
+                     "--weight-cache-keep-on-stop"], env, tmp_path, "p4")
     preloads.append(third)
     third.wait_ready()
     assert weight_files_opened(watch.events()), "a fresh load reads the checkpoint"
@@ -177,3 +190,26 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
         while new & memfd_inodes():
             assert time.monotonic() < deadline, "released memory must return"
             time.sleep(0.1)
+
+
+def test_a_rank_that_cannot_load_alone_is_not_replaced_by_a_lone_load(ckpt, tmp_path, monkeypatch, capsys):
+    from weightcache.cli import checkpoint_source
+    from weightcache.layout import Layout
+    from weightcache.supervisor import Group, Supervisor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sdir = tmp_path / "s"
+    sup = Supervisor([Group(role="main", layout=Layout(device_type="cpu"), make_source=checkpoint_source,
+                            source_args={"path": str(ckpt)}, loads_alone=False)], socket_dir=sdir)
+    try:
+        sup.start()
+        (child,) = sup.children
+        sup.custodian.release(everything=True)  # its cache is gone: a replacement would have to load alone
+        os.kill(child.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (sup.children[0].message or "").startswith("RuntimeError: the custodian holds no cache"):
+            assert time.monotonic() < deadline
+            sup.hold_once()
+        assert "loads only together with every rank of its group" in sup.children[0].message
+    finally:
+        sup.shutdown()

@@ -50,7 +50,9 @@ EXIT_OOM = 3  # a daemon ran out of device or host memory
 EXIT_KEY_CHANGED = 4  # a replacement daemon computed another key than its rank agreed on: never restarted
 MAX_FAILED_RESTARTS = 5  # consecutive replacements that died before ready: give up on that rank
 RESTART_BACKOFF_MAX_S = 30.0
-GO = b"go"
+GO = b"go"  # every node agreed: take the cache from the custodian if it holds it, else load
+LOAD = b"load"  # load afresh (some rank of the group has nothing held: its ranks load together)
+ADOPT = b"adopt"  # take the cache from the custodian or fail (a rank that cannot load alone)
 
 
 class StartError(Exception):
@@ -92,6 +94,7 @@ class Group:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port (single node only)
     info: dict = field(default_factory=dict)
+    loads_alone: bool = True  # a rank's source loads without its peers (False: vLLM's loader with a process group)
 
 
 def default_key(source, placement: Placement, *, layout: str, role: str, **base) -> CacheKey:
@@ -141,14 +144,15 @@ class ChildSpec:
     info: dict
     log_level: int = logging.INFO
     custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    loads_alone: bool = True
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
 
 
 # ---------------------------------------------------------------------------------------------- child side
 
-def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
+def _die_with_parent(parent_pid: int, lifeline, go: threading.Event, mode: list) -> None:
     """SIGTERM this process when the supervisor goes away, however it goes. The lifeline pipe also
-    carries the supervisor's "go" (every node agreed: load now)."""
+    carries the supervisor's "go" (every node agreed: load now) and how (GO, LOAD or ADOPT, into `mode`)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -161,7 +165,9 @@ def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
     def watch():
         try:
             while True:
-                if lifeline.recv_bytes() == GO:
+                msg = lifeline.recv_bytes()
+                if msg in (GO, LOAD, ADOPT):
+                    mode[:] = [msg]
                     go.set()
         except (EOFError, OSError):
             pass
@@ -198,8 +204,8 @@ def _send(conn, kind: str, **fields) -> None:
 
 def child_main(spec: ChildSpec, conn, lifeline) -> None:
     """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
-    go = threading.Event()
-    _die_with_parent(spec.supervisor_pid, lifeline, go)
+    go, mode = threading.Event(), [GO]
+    _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor alone; it stops the daemons
@@ -237,8 +243,11 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
         while not go.wait(0.5):
             pass
-        if daemon.adopt():
+        if mode[0] != LOAD and daemon.adopt():
             pass  # the custodian held this exact cache: served again without a load
+        elif mode[0] == ADOPT:
+            raise RuntimeError("the custodian holds no cache for this rank, and its source loads only together "
+                               "with every rank of its group: restart preload")
         elif hasattr(source.get(), "load_into"):  # builds its own tensors (vLLM's loader); packed, sharing kept
             source.load_into(daemon)
         else:
@@ -450,13 +459,17 @@ class Supervisor:
             for p in g.layout.local_placements():
                 self._spawn(g, p)
         self._wait_for(lambda: all(c.state in ("started", "ready") for c in self.children), "to open its socket")
+        self._prune()
+        held = {g.role: self._held_here(g) for g in self.groups}
+        go = {}
         for g in self.groups:
-            self._agree(g)
+            go[g.role] = GO if self._agree(g, held[g.role]) else LOAD
+            if go[g.role] == LOAD and held[g.role] is not None:
+                self._release_group(g)  # held for some ranks only: they load together with the others
         for c in self.children:
             self._keys[(c.spec.role, c.spec.placement.rank)] = c.key
-        self._prune()
         for c in self.children:
-            c.lifeline.send_bytes(GO)
+            c.lifeline.send_bytes(go[c.spec.role])
         self._wait_for(self._all_ready, "to load")
         self.ready = True
         adopted = [c for c in self.children if c.ready_info.get("adopted")]
@@ -472,26 +485,33 @@ class Supervisor:
         dies before it is ready is retried with a growing delay, then given up). When no daemon is left and
         none is due to be replaced, return the worst exit code."""
         while True:
-            waitables = [c.proc.sentinel for c in self.children if not c.exited]
-            waitables += [c.conn for c in self.children if c.conn is not None and c.state != "ready"]
-            if waitables:
-                mpc.wait(waitables, timeout=0.2 if self._pending else 1.0)
-            else:
-                time.sleep(0.2)
-            for i, c in enumerate(self.children):
-                c.drain()
-                if c.socket:
-                    self._owned.add(Path(c.socket).name)
-                if c.replacement:
-                    self._tend_replacement(c)
-                if c.exited and not c.reported:
-                    c.reported = True
-                    self._on_exit(i, c)
-            self._start_due_replacements()
-            self._watch_custodian()
-            if all(c.reported for c in self.children) and not self._pending:  # each exit handled
-                log.error("every daemon of this node has exited; stopping")
-                return max(exit_code_of(c.proc.exitcode) for c in self.children)
+            code = self.hold_once()
+            if code is not None:
+                return code
+
+    def hold_once(self) -> int | None:
+        """One round of hold(): wait up to a second for news, handle it; the exit code once all is over."""
+        waitables = [c.proc.sentinel for c in self.children if not c.exited]
+        waitables += [c.conn for c in self.children if c.conn is not None and c.state != "ready"]
+        if waitables:
+            mpc.wait(waitables, timeout=0.2 if self._pending else 1.0)
+        else:
+            time.sleep(0.2)
+        for i, c in enumerate(self.children):
+            c.drain()
+            if c.socket:
+                self._owned.add(Path(c.socket).name)
+            if c.replacement:
+                self._tend_replacement(c)
+            if c.exited and not c.reported:
+                c.reported = True
+                self._on_exit(i, c)
+        self._start_due_replacements()
+        self._watch_custodian()
+        if all(c.reported for c in self.children) and not self._pending:  # each exit handled
+            log.error("every daemon of this node has exited; stopping")
+            return max(exit_code_of(c.proc.exitcode) for c in self.children)
+        return None
 
     def _on_exit(self, i: int, c: Child) -> None:
         slot = (c.spec.role, c.spec.placement.rank)
@@ -538,7 +558,7 @@ class Supervisor:
         if c.state == "started" and not c.go_sent:
             c.go_sent = True
             with contextlib.suppress(OSError):
-                c.lifeline.send_bytes(GO)
+                c.lifeline.send_bytes(GO if c.spec.loads_alone else ADOPT)
         if c.state == "ready" and not c.announced:
             c.announced = True
             slot = (c.spec.role, c.spec.placement.rank)
@@ -590,6 +610,32 @@ class Supervisor:
             for name in gone.names:  # the sockets their killed daemons left behind
                 remove_stale_socket(self.socket_dir / name)
 
+    def _held_here(self, g: Group) -> bool | None:
+        """Whether the custodian holds every local cache of the group (None: it holds none of them)."""
+        if self.custodian is None:
+            return None
+        from .errors import WeightCacheError
+
+        try:
+            names = {h.name for h in self.custodian.holdings().holdings}
+        except WeightCacheError:
+            return None
+        mine = {Path(c.socket).name for c in self.children if c.spec.role == g.role}
+        return True if mine <= names else (False if mine & names else None)
+
+    def _release_group(self, g: Group) -> None:
+        from .errors import WeightCacheError
+
+        names = [Path(c.socket).name for c in self.children if c.spec.role == g.role]
+        try:
+            gone = self.custodian.release(names)
+        except WeightCacheError as e:
+            log.warning("custodian: %s", e)
+            return
+        if gone.names:
+            log.info("%s: the custodian holds the weights of some ranks only; released them (%s): every rank "
+                     "loads afresh", g.role, ", ".join(gone.names))
+
     def _watch_custodian(self) -> None:
         if self.custodian is not None and not self._custodian_lost and self.custodian.lost():
             self._custodian_lost = True
@@ -640,7 +686,7 @@ class Supervisor:
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
-                         custodian=self._custodian_socket())
+                         custodian=self._custodian_socket(), loads_alone=g.loads_alone)
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:
@@ -682,7 +728,9 @@ class Supervisor:
                 log.info("waiting for %s", ", ".join(f"{c.label} ({c.state})" for c in self.children
                                                      if c.state != "ready") or "the other nodes")
 
-    def _agree(self, g: Group) -> None:
+    def _agree(self, g: Group, held: bool | None) -> bool:
+        """Every node builds the same keys; returns whether each node holds the group's every local cache
+        (then the group adopts; a partly held group loads afresh: its ranks may load only together)."""
         from .key import diff
 
         mine = [c for c in self.children if c.spec.role == g.role]
@@ -693,8 +741,10 @@ class Supervisor:
                 fields = ", ".join(f"{x.field}: {x.expected!r} vs {x.actual!r}" for x in d)
                 raise StartError(f"{g.role} ranks {mine[0].spec.placement.rank} and {c.spec.placement.rank} "
                                  f"of this node built different keys ({fields})")
-        self.rendezvous[g.role].agree(stamp_of(ref, g.layout), [c.key.rank for c in mine], g.layout.world_size,
-                                      on_poll=self._check_children)
+        rdv = self.rendezvous[g.role]
+        rdv.agree(stamp_of(ref, g.layout), [c.key.rank for c in mine], g.layout.world_size,
+                  on_poll=self._check_children, held=bool(held))
+        return rdv.all_held
 
     def _all_ready(self) -> bool:
         if not all(c.state == "ready" for c in self.children):

@@ -126,7 +126,8 @@ def plan_groups(args, vllm_config) -> list:
             role=role, layout=layout, make_source=src.make_source, make_key=src.make_key,
             source_args={"vllm_config": vllm_config, "role": role, "master_addr": addr, "master_port": gport,
                          "timeout_s": args.weight_cache_rendezvous_timeout},
-            master_addr=addr, master_port=gport, info={"engine": "vllm"}))
+            master_addr=addr, master_port=gport, info={"engine": "vllm"},
+            loads_alone=layout.world_size == 1))  # its ranks load in one process group
     return groups
 
 
