@@ -366,3 +366,30 @@ def test_cuda_memory_outlives_the_daemon_and_returns_after_release(sockdir, cust
         second.wait()
     assert custodian.release(everything=True).nbytes >= 1 << 30
     wait_for(lambda: torch.cuda.mem_get_info(0)[0] >= free0 - (256 << 20), 30, "device memory to return")
+
+
+def test_a_sealed_memfd_is_handed_over_and_served(sockdir, custodian):
+    """Write-sealed blocks (no one may write them, not even through /proc) still move between daemons."""
+    import fcntl
+
+    import msgspec
+
+    from weightcache.manifest import plan_for_tensors
+
+    payload = torch.arange(1024, dtype=torch.int32)
+    manifest, _ = plan_for_tensors({"w": payload})
+    fd = os.memfd_create("weightcache-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, payload.numpy().tobytes())
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    manifest.blocks[0].nbytes = 4096
+    name = "main-r0-cpu-00000000.sock"
+    custodian.deposit(Holding(name=name, model=KEY.model, role="main", rank=0, device="cpu", block_bytes=[4096]),
+                      msgspec.msgpack.encode(KEY), msgspec.msgpack.encode(manifest), [fd])
+    os.close(fd)
+    d = Daemon(_sock(sockdir, name), KEY, custodian=custodian.path)
+    d.start()
+    assert d.adopt()
+    with wc.attach(_sock(sockdir, name), expect=KEY) as att:
+        assert torch.equal(att["w"], payload)
+    d.close()
