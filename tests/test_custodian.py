@@ -341,7 +341,11 @@ def test_release_of_an_unknown_name_is_refused(sockdir, custodian, capsys):
     held_daemon(_sock(sockdir), KEY, custodian).close()
     assert main(["release", "--socket-dir", str(sockdir), "nope.sock"]) == 2
     assert "holds no cache named nope.sock" in capsys.readouterr().err
+    assert main(["release", "--socket-dir", str(sockdir), "--stop", "--model", "sample"]) == 2
+    assert "--stop releases everything" in capsys.readouterr().err
     assert len(custodian.holdings().holdings) == 1
+    assert main(["status", "--socket-dir", str(sockdir)]) == 0
+    assert f"custodian pid {custodian.pid} holds 1 cache(s)" in capsys.readouterr().out
 
 
 @pytest.mark.gpu

@@ -120,7 +120,8 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
     from weightcache.custodian import CustodianClient
 
     sdir = tmp_path / "s"
-    args = [ckpt, "-tp", "2", "--device", device, "--weight-cache-socket-dir", sdir]
+    n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    args = [ckpt, "-tp", n, "--device", device, "--weight-cache-socket-dir", sdir]
     first = Preload([*args, "--weight-cache-health-port", port := free_port()], env, tmp_path, "p1")
     preloads.append(first)
     first.wait_ready()
@@ -145,25 +146,25 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
     preloads.append(again)
     again.wait_ready()
     assert weight_files_opened(watch.events()) == []
-    assert "2 of 2 daemon(s) took their weights from the custodian" in again.stderr
+    assert f"{n} of {n} daemon(s) took their weights from the custodian" in again.stderr
     url = f"http://127.0.0.1:{port}"
     now = daemons(url)
     assert all(d["status"]["adopted"] and d["status"]["done"] == 0 for d in now.values())
     assert {r: block_digests(d["socket"]) for r, d in now.items()} == served
     sigkill_all(again)
 
-    # ranks of a group may load only together (vLLM's process group): all of them adopt, or none
-    assert main(["release", "--socket-dir", str(sdir), os.path.basename(socks[1])]) == 0
-    partly = Preload(args, env, tmp_path, "p3")
-    preloads.append(partly)
-    partly.wait_ready()
-    assert "the custodian holds the weights of some ranks only; released them" in partly.stderr, partly.stderr
-    assert "took their weights from the custodian" not in partly.stderr
-    assert weight_files_opened(watch.events())
-    sigkill_all(partly)
-    if device == "cpu":
-        assert old and not old & memfd_inodes(), "the first load's memory is freed"
-        old = memfd_inodes([custodian.pid])
+    if n > 1:  # ranks of a group may load only together (vLLM's process group): all of them adopt, or none
+        assert main(["release", "--socket-dir", str(sdir), os.path.basename(socks[1])]) == 0
+        partly = Preload(args, env, tmp_path, "p3")
+        preloads.append(partly)
+        partly.wait_ready()
+        assert "the custodian holds the weights of some ranks only; released them" in partly.stderr, partly.stderr
+        assert "took their weights from the custodian" not in partly.stderr
+        assert weight_files_opened(watch.events())
+        sigkill_all(partly)
+        if device == "cpu":
+            assert old and not old & memfd_inodes(), "the first load's memory is freed"
+            old = memfd_inodes([custodian.pid])
 
     # other flags: the held caches are released (never served under another key) and the model loads afresh
     third = Preload([ckpt, "--device", device, "--weight-cache-socket-dir", sdir, "--dtype", "bfloat16",
@@ -171,7 +172,7 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
     preloads.append(third)
     third.wait_ready()
     assert weight_files_opened(watch.events()), "a fresh load reads the checkpoint"
-    assert re.search(r"released 2 cache\(s\) of \S+ held under another key", third.stderr), third.stderr
+    assert re.search(rf"released {n} cache\(s\) of \S+ held under another key", third.stderr), third.stderr
     held = custodian.holdings().holdings
     assert len(held) == 1 and not {h.name for h in held} & {os.path.basename(s) for s in socks.values()}
     if device == "cpu":
@@ -211,5 +212,33 @@ def test_a_rank_that_cannot_load_alone_is_not_replaced_by_a_lone_load(ckpt, tmp_
             assert time.monotonic() < deadline
             sup.hold_once()
         assert "loads only together with every rank of its group" in sup.children[0].message
+    finally:
+        sup.shutdown()
+
+
+def test_a_rank_whose_checkpoint_changed_is_not_replaced(tmp_path, monkeypatch, caplog):
+    """Never serve a stale key: after READY, a replacement must build the key its rank agreed on."""
+    import shutil
+
+    from weightcache.cli import checkpoint_source
+    from weightcache.layout import Layout
+    from weightcache.supervisor import EXIT_KEY_CHANGED, Group, Supervisor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "m"
+    shutil.copytree(make_llama_checkpoint(tmp_path / "orig", seed=4, **SMALL), model)
+    sup = Supervisor([Group(role="main", layout=Layout(device_type="cpu"), make_source=checkpoint_source,
+                            source_args={"path": str(model)})], socket_dir=tmp_path / "s")
+    try:
+        sup.start()
+        (child,) = sup.children
+        make_llama_checkpoint(model, seed=5, **SMALL)  # new weights under the same path
+        os.kill(child.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        with caplog.at_level(logging.ERROR, logger="weightcache.supervisor"):
+            while "is not replaced: its weights changed on disk" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                assert sup.hold_once() is None or sup.children[0].proc.exitcode == EXIT_KEY_CHANGED
+        assert "content_digest" in sup.children[0].message
     finally:
         sup.shutdown()

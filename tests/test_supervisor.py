@@ -391,7 +391,8 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
     sup = Supervisor([Group(role="main", layout=Layout(device_type="cpu"), make_source=checkpoint_source,
-                            source_args={"path": str(ckpts["a"])})], socket_dir=sdir, restart=False)
+                            source_args={"path": str(ckpts["a"])})], socket_dir=sdir, restart=False,
+                     custodian=False)
     try:
         sup.start()
         assert "weightcache READY node 0/1: 1 rank(s) x 1 role(s)" in capsys.readouterr().out
@@ -401,6 +402,7 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
     finally:
         sup.shutdown()
     assert sockets(sdir) == [], "the killed daemon's socket is removed"
+    assert not (sdir / "custodian.ctl").exists(), "custodian=False starts none"
 
 
 def test_a_node_waiting_for_node_0_stops_promptly(ckpts, env, tmp_path, preloads):
