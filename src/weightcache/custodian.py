@@ -521,7 +521,10 @@ class CustodianClient:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the custodian at {path}: {e}") from None
         try:
-            wire.send_msg(sock, Hello(protocol=PROTOCOL, client=client or f"pid {os.getpid()}"))
+            try:
+                wire.send_msg(sock, Hello(protocol=PROTOCOL, client=client or f"pid {os.getpid()}"))
+            except OSError:
+                pass  # it may have refused us already (uid): its reason waits in our receive buffer
             reply = cls._recv(sock, path, timeout)
             if not isinstance(reply, Welcome):
                 raise ProtocolError(f"custodian at {path}: expected a welcome, got {type(reply).__name__}")
