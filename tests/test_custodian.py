@@ -397,3 +397,24 @@ def test_a_sealed_memfd_is_handed_over_and_served(sockdir, custodian):
     with wc.attach(_sock(sockdir, name), expect=KEY) as att:
         assert torch.equal(att["w"], payload)
     d.close()
+
+
+def test_a_forked_child_leaves_its_parents_watch_alone(sockdir, caplog):
+    sock = _sock(sockdir)
+    d = wc.publish({"w": torch.arange(4.0)}, sock, KEY)
+    att = wc.attach(sock)
+    pid = os.fork()
+    if pid == 0:  # a child that inherited the attachment attaches and detaches on its own
+        try:
+            with wc.attach(sock) as mine:
+                ok = mine["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+            att.close()  # its copy of the parent's connection: the parent stays attached and watched
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0
+    with caplog.at_level(logging.WARNING, logger="weightcache.client"):
+        d.close()
+        wait_for(lambda: att.daemon_lost, what="the parent to notice")
+    assert len([r for r in caplog.records if "is gone" in r.getMessage()]) == 1
+    att.close()

@@ -137,6 +137,7 @@ class _Watch:
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # a forked child shares the epoll instance: it leaves it alone
 
     def add(self, sock: socket.socket, on_lost) -> None:
         with self._lock:
@@ -146,6 +147,8 @@ class _Watch:
                 self._thread.start()
 
     def forget(self, sock: socket.socket) -> None:
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             try:
                 self._sel.unregister(sock)
@@ -176,6 +179,14 @@ class _Watch:
 
 
 _watch = _Watch()
+
+
+def _new_watch_after_fork() -> None:
+    global _watch
+    _watch = _Watch()
+
+
+os.register_at_fork(after_in_child=_new_watch_after_fork)
 
 
 class Attachment(Mapping[str, torch.Tensor]):

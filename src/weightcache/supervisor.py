@@ -402,6 +402,7 @@ class Supervisor:
         self.restarts: dict[tuple[str, int], int] = {}
         self._failed_restarts: dict[tuple[str, int], int] = {}
         self._pending: dict[int, float] = {}  # child index -> when to start its replacement
+        self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
 
     @property
     def node_rank(self) -> int:
@@ -536,6 +537,10 @@ class Supervisor:
         self._pending[i] = time.monotonic() + delay
 
     def _start_due_replacements(self) -> None:
+        for old in self._retired:
+            with contextlib.suppress(ValueError):
+                old.proc.close()  # its sentinel fd
+        self._retired.clear()
         now = time.monotonic()
         for i, due in sorted(self._pending.items()):
             if due > now:
@@ -550,8 +555,7 @@ class Supervisor:
             new.replacement = True
             self.children[i] = new
             self.restarts[slot] = self.restarts.get(slot, 0) + 1
-            with contextlib.suppress(ValueError):
-                old.proc.close()  # its sentinel fd
+            self._retired.append(old)
 
     def _tend_replacement(self, c: Child) -> None:
         """A replacement daemon needs no agreement (its key is checked against the agreed one): go at once."""
