@@ -639,7 +639,14 @@ def connect_or_launch(socket_dir: str | Path, *, client: str = "") -> CustodianC
         return CustodianClient.connect(path, client=client)
     except DaemonUnavailable:
         pass
-    launch(socket_dir)
+    try:
+        launch(socket_dir)
+    except CustodianError:
+        try:  # another preload may have started one at the same moment
+            return CustodianClient.connect(path, client=client)
+        except DaemonUnavailable:
+            pass
+        raise
     return CustodianClient.connect(path, client=client)
 
 

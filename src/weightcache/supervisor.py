@@ -448,6 +448,8 @@ class Supervisor:
             self._start_http()
         if self.use_custodian:
             self._open_custodian()
+        else:
+            self._note_custodian()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
                              nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
@@ -588,6 +590,27 @@ class Supervisor:
         held = self.custodian.holdings().holdings
         log.info("custodian pid %d holds %d cache(s)%s", self.custodian.pid, len(held),
                  f" ({human_bytes(sum(h.nbytes for h in held))})" if held else "")
+
+    def _note_custodian(self) -> None:
+        """Without a custodian of our own, say what one left in this directory still holds."""
+        from .custodian import CustodianClient, socket_path_in
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        if not socket_path_in(self.socket_dir).exists():
+            return
+        try:
+            client = CustodianClient.connect(self.socket_dir, timeout=5.0)
+            try:
+                held = client.holdings().holdings
+            finally:
+                client.close()
+        except WeightCacheError:
+            return
+        if held:
+            log.warning("a custodian still holds %d cache(s) (%s) in %s; `weightcache release --socket-dir %s` "
+                        "frees them", len(held), human_bytes(sum(h.nbytes for h in held)), self.socket_dir,
+                        self.socket_dir)
 
     def _custodian_socket(self) -> str:
         return str(self.custodian.path) if self.custodian is not None else ""
