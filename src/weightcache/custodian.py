@@ -318,10 +318,13 @@ class Custodian:
 
     def _accept_loop(self) -> None:
         listener = self._listener
-        while not self._stop.is_set() and listener is not None:
+        if listener is None:
+            return
+        poller = select.poll()  # not select(): a custodian holds many fds, select() stops at 1024
+        poller.register(listener, select.POLLIN)
+        while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([listener], [], [], 0.2)
-                if not ready:
+                if not poller.poll(200):
                     continue
                 conn, _ = listener.accept()
             except OSError as e:
@@ -603,8 +606,9 @@ class CustodianClient:
             if self._sock is None:
                 return True
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0)
-                if not ready:
+                poller = select.poll()
+                poller.register(self._sock, select.POLLIN)
+                if not poller.poll(0):
                     return False
                 return self._sock.recv(1, socket.MSG_PEEK) == b""
             except OSError:
