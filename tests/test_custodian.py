@@ -178,6 +178,8 @@ def test_prune_releases_only_unserved_caches_of_that_role_and_model(sockdir, cus
     live = held_daemon(_sock(sockdir, "main-r0-cpu-aaaaaaaa.sock"), KEY, custodian)
     held_daemon(_sock(sockdir, "main-r1-cpu-bbbbbbbb.sock"), KEY.replace(rank=1), custodian).close()
     held_daemon(_sock(sockdir, "main-r0-cpu-cccccccc.sock"), KEY.replace(model="other"), custodian).close()
+    wait_for(lambda: sum(h.served_by == 0 for h in custodian.holdings().holdings) == 2,
+             what="the custodian to see the closed daemons go")
     gone_ = custodian.prune("main", "sample", keep=["main-r9-cpu-99999999.sock"])
     assert gone_.names == ["main-r1-cpu-bbbbbbbb.sock"] and gone_.nbytes > 0
     names = sorted(h.name for h in custodian.holdings().holdings)
