@@ -79,3 +79,95 @@ def start_daemon(sock: str, device: str = "cpu", scale: int = 1, timeout: float 
         raise RuntimeError(f"daemon did not start (rc={proc.wait()}): {line!r}")
     assert time.monotonic() < deadline
     return proc
+
+
+HELD_DAEMON_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from procs import sample_tensors
+from weightcache.daemon import Daemon
+from weightcache.key import CacheKey
+device = {device!r}
+if device.startswith("cuda"):
+    torch.cuda.set_device(0)
+d = Daemon({sock!r}, CacheKey(model="sample", content_digest={digest!r}), device=device, custodian={custodian!r})
+d.start()
+if d.adopt():
+    how = "ADOPTED"
+else:
+    tensors = sample_tensors(device)
+    if {big_mb!r}:
+        tensors["big"] = torch.arange({big_mb!r} << 18, dtype=torch.int32, device=device)
+    d.load_tensors(tensors)
+    how = "LOADED"
+d.install_signal_handlers()
+print("READY", how, flush=True)
+d.serve_forever()
+"""
+
+
+def start_held_daemon(sock: str, custodian: str, device: str = "cpu", digest: str = "d0",
+                      big_mb: int = 0) -> tuple[subprocess.Popen, str]:
+    """A daemon process that takes its cache from the custodian, or loads sample tensors (plus `big_mb` MiB)
+    and deposits them; returns it and "ADOPTED" or "LOADED"."""
+    code = HELD_DAEMON_SCRIPT.format(tests=os.path.dirname(__file__), device=device, sock=sock,
+                                     custodian=custodian, digest=digest, big_mb=big_mb)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    if line[:1] != ["READY"]:
+        proc.kill()
+        raise RuntimeError(f"daemon did not start (rc={proc.wait()}): {line!r}")
+    return proc, line[1]
+
+
+def memfd_inodes(pids=None) -> set[int]:
+    """Inodes of weightcache memfds that processes (default: all we can see) hold open or map."""
+    out: set[int] = set()
+    for pid in pids if pids is not None else [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:weightcache"):
+                        out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith("/memfd:weightcache"):
+                        out.add(int(parts[4]))
+        except OSError:
+            continue
+    return out
+
+
+def block_digests(sock: str) -> list[str]:
+    """sha256 of every block a daemon serves, read through its own handshake (what any client maps)."""
+    import hashlib
+    import mmap
+    import socket as socketlib
+
+    from weightcache import wire
+    from weightcache.arena import import_blocks
+    from weightcache.client import _device_for
+
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(sock)
+    try:
+        wire.send_msg(s, wire.Hello(protocol=wire.PROTOCOL_VERSION))
+        reply = wire.recv_msg(s)
+        assert isinstance(reply, wire.Attached), reply
+        fds = wire.recv_fds(s, reply.nfds)
+        sizes = [b.nbytes for b in reply.manifest.blocks]
+        if reply.manifest.device == "cpu":
+            out = []
+            for fd, n in zip(fds, sizes, strict=True):
+                with mmap.mmap(fd, n, prot=mmap.PROT_READ) as mm:
+                    out.append(hashlib.sha256(mm).hexdigest())
+                os.close(fd)
+            return out
+        blocks = import_blocks(fds, sizes, _device_for(reply.manifest), readonly=True)
+        return [hashlib.sha256(b.cpu().numpy().tobytes()).hexdigest() for b in blocks]
+    finally:
+        s.close()

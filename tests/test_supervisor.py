@@ -73,6 +73,8 @@ class Preload:
     """A `weightcache preload` process; its stdout lines are collected by a thread."""
 
     def __init__(self, args, env, tmp_path: Path, name: str = "preload"):
+        args = list(args)
+        self.socket_dir = args[args.index("--weight-cache-socket-dir") + 1] if "--weight-cache-socket-dir" in args else None
         self.err_path = tmp_path / f"{name}.stderr"
         self._err = open(self.err_path, "w")
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", *map(str, args)]
@@ -121,6 +123,25 @@ class Preload:
         self.wait()
 
 
+def stop_custodian(socket_dir) -> None:
+    """Stop the custodian a test's preload left holding caches (it outlives the preload by design)."""
+    from weightcache.custodian import CustodianClient
+    from weightcache.errors import WeightCacheError
+
+    try:
+        client = CustodianClient.connect(socket_dir, timeout=5)
+    except WeightCacheError:
+        return
+    pid = client.pid
+    try:
+        client.stop()
+    except WeightCacheError:
+        pass
+    client.close()
+    for left in gone([pid], 10):
+        os.kill(left, signal.SIGKILL)
+
+
 @pytest.fixture
 def preloads():
     started: list[Preload] = []
@@ -130,6 +151,8 @@ def preloads():
         p.kill()
         for pid in gone(pids, 5):
             os.kill(pid, signal.SIGKILL)
+    for d in {p.socket_dir for p in started if p.socket_dir}:
+        stop_custodian(d)
 
 
 def sockets(d) -> list[str]:
@@ -171,22 +194,35 @@ def test_health_metrics_status_and_sigterm(ckpts, env, tmp_path, preloads):
     rows = [ln.split() for ln in table.stdout.splitlines() if ln.startswith("main")]
     assert [(r[0], r[1], r[2], r[-1]) for r in rows] == [("main", "0", "cpu", "ready"), ("main", "1", "cpu", "ready")]
 
-    pids = p.descendants()
+    # a daemon killed after READY is replaced by one that takes its weights from the custodian
+    assert all(d["status"]["held"] for d in status["daemons"])
     victim = next(d["pid"] for d in status["daemons"] if d["rank"] == 1)
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while (r := httpx.get(url + "/health")).status_code != 503:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert "main rank 1:" in r.text  # unreachable first, then exited once reaped
-    while "main rank 1: exited" not in (r := httpx.get(url + "/health")).text:
-        assert r.status_code == 503 and time.monotonic() < deadline, r.text
+    assert "main rank 1:" in r.text  # unreachable, exited, then starting
+    while (r := httpx.get(url + "/health")).status_code != 200:
+        assert time.monotonic() < deadline, r.text
         time.sleep(0.05)
+    after = {d["rank"]: d for d in httpx.get(url + "/status").json()["daemons"]}
+    assert after[1]["pid"] != victim and after[1]["restarts"] == 1 and after[1]["status"]["adopted"]
+    assert not after[0]["status"]["adopted"] and after[0]["restarts"] == 0
+    metrics = httpx.get(url + "/metrics").text
+    assert re.search(r'weightcache_daemon_restarts_total\{[^}]*rank="1"[^}]*\} 1\.0', metrics), metrics
+    assert re.search(r'weightcache_daemon_adopted\{[^}]*rank="1"[^}]*\} 1\.0', metrics)
+    assert "weightcache_custodian_up 1.0" in metrics
+    assert "rank 1 (main, cpu) exited with code -9 after it was ready" in p.stderr
+    assert "rank 1 (main, cpu) is back (replacement 1" in p.stderr
 
+    pids = p.descendants()
     p.proc.send_signal(signal.SIGTERM)
     assert p.wait() == 0, p.stderr
     assert gone(pids) == []
     assert sockets(sdir) == [], "every socket removed, the killed daemon's too"
+    assert "released 2 cache(s) held by the custodian" in p.stderr
+    assert not (sdir / "custodian.ctl").exists() or gone([status["custodian"]["pid"]]) == []
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
 
@@ -216,6 +252,11 @@ def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_
     p.wait()
     assert gone(all_pids) == [], "daemons must die with their supervisor"
     assert sockets(sdir) == [], "daemons remove their sockets when their supervisor dies"
+    from weightcache.custodian import CustodianClient
+
+    client = CustodianClient.connect(sdir)  # ...and the custodian keeps their weights for the next preload
+    assert sorted(h.role for h in client.holdings().holdings) == ["draft", "main"]
+    client.close()
 
 
 def test_bad_file_fails_every_rank(ckpts, env, tmp_path, preloads):
@@ -351,7 +392,8 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
     sup = Supervisor([Group(role="main", layout=Layout(device_type="cpu"), make_source=checkpoint_source,
-                            source_args={"path": str(ckpts["a"])})], socket_dir=sdir)
+                            source_args={"path": str(ckpts["a"])})], socket_dir=sdir, restart=False,
+                     custodian=False)
     try:
         sup.start()
         assert "weightcache READY node 0/1: 1 rank(s) x 1 role(s)" in capsys.readouterr().out
@@ -361,6 +403,7 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
     finally:
         sup.shutdown()
     assert sockets(sdir) == [], "the killed daemon's socket is removed"
+    assert not (sdir / "custodian.ctl").exists(), "custodian=False starts none"
 
 
 def test_a_node_waiting_for_node_0_stops_promptly(ckpts, env, tmp_path, preloads):

@@ -114,13 +114,23 @@ def add_preload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
                     help="how long nodes wait for each other")
     wc.add_argument("--weight-cache-allow-loopback-nodes", action="store_true",
                     help="let several 'nodes' share one host over loopback (testing)")
+    add_custodian_arguments(wc)
     wc.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
 
+def add_custodian_arguments(group) -> None:
+    """The custodian's preload flags (shared by every preload front end)."""
+    group.add_argument("--weight-cache-keep-on-stop", action="store_true",
+                       help="on SIGINT/SIGTERM leave the weights with the custodian, for the next preload of the "
+                            "same model and flags (an upgrade); `weightcache release` frees them")
+    group.add_argument("--weight-cache-no-custodian", action="store_true",
+                       help="no custodian: the weights live and die with their daemons")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,release,demo}")
     add_preload_arguments(sub.add_parser(
         "preload", help="start a daemon per rank and keep the weights loaded", description=PRELOAD_DESCRIPTION,
         epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -128,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each daemon")
+    rel = sub.add_parser("release", help="free the weights the custodian holds past their daemons",
+                         description="Free what the custodian of a socket directory holds (all of it, or the named "
+                                     "caches or models). Daemons that run keep serving; the memory returns once no "
+                                     "daemon or engine maps it. The custodian exits once it holds nothing.")
+    rel.add_argument("names", nargs="*", metavar="NAME", help="cache names (as --list shows them)")
+    rel.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
+    rel.add_argument("--model", default=None, metavar="PATH", help="only the caches of this model")
+    rel.add_argument("--list", action="store_true", help="list what is held; release nothing")
+    rel.add_argument("--json", action="store_true", help="machine-readable output")
+    rel.add_argument("--stop", action="store_true", help="release everything and stop the custodian now")
     sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
     return parser
 
@@ -378,7 +398,8 @@ def _preload(args) -> int:
                 source_args={"path": str(path), "dtype": src_dtype, "revision": args.revision, "role": role,
                              "enable_expert_parallel": args.enable_expert_parallel, "master_addr": master_addr,
                              "master_port": port},
-                master_addr=master_addr, master_port=port, info={"engine": args.engine}))
+                master_addr=master_addr, master_port=port, info={"engine": args.engine},
+                loads_alone=args.tensor_parallel_size == 1))  # tensor parallel ranks load in one process group
             continue
         groups.append(Group(role=role, layout=layout, make_source=checkpoint_source,
                             source_args={"path": str(path), "dtype": dtype, "tp_plan": tp_plan},
@@ -435,7 +456,9 @@ def run_supervisor(groups, socket_dir, args, log_level: str) -> int:
                          health_port=args.weight_cache_health_port,
                          start_timeout=args.weight_cache_start_timeout,
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
-                         log_level=getattr(logging, log_level))
+                         log_level=getattr(logging, log_level),
+                         custodian=not getattr(args, "weight_cache_no_custodian", False),
+                         keep_on_stop=getattr(args, "weight_cache_keep_on_stop", False))
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()
@@ -465,7 +488,110 @@ def status_main(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows, socket_dir))
+        held = _held_line(socket_dir)
+        if held:
+            print(held)
     return 0
+
+
+def _held_line(socket_dir: Path) -> str:
+    from .custodian import CustodianClient, socket_path_in
+    from .errors import WeightCacheError
+    from .status_table import human_bytes
+
+    if not socket_path_in(socket_dir).exists():
+        return ""
+    try:
+        client = CustodianClient.connect(socket_dir, timeout=2.0)
+    except WeightCacheError as e:
+        return f"custodian: {e}"
+    try:
+        held = client.holdings().holdings
+    except WeightCacheError as e:
+        return f"custodian: {e}"
+    finally:
+        client.close()
+    orphans = [h for h in held if not h.served_by]
+    return (f"custodian pid {client.pid} holds {len(held)} cache(s), {human_bytes(sum(h.nbytes for h in held))}"
+            + (f"; {len(orphans)} served by no daemon (`weightcache release` frees them)" if orphans else ""))
+
+
+# ----------------------------------------------------------------------------------------------- release
+
+def release_main(args) -> int:
+    from .custodian import CustodianClient, socket_path_in
+    from .errors import DaemonUnavailable, WeightCacheError
+    from .naming import default_socket_dir
+    from .status_table import human_bytes
+
+    try:
+        socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir()
+    except (OSError, WeightCacheError) as e:
+        print(f"weightcache release: error: socket directory: {e}", file=sys.stderr)
+        return 2
+    if args.stop and (args.names or args.model or args.list):
+        print("weightcache release: error: --stop releases everything; drop NAME/--model/--list", file=sys.stderr)
+        return 2
+    try:
+        client = CustodianClient.connect(socket_path_in(socket_dir), client="weightcache release", timeout=10.0)
+    except DaemonUnavailable:
+        if args.json:
+            print(json.dumps({"custodian": None, "holdings": [], "released": []}))
+        else:
+            print(f"no custodian in {socket_dir}: nothing is held")
+        return 0
+    except WeightCacheError as e:
+        print(f"weightcache release: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        held = client.holdings().holdings
+        if args.list:
+            if args.json:
+                import msgspec
+
+                print(json.dumps({"custodian": client.pid, "holdings": msgspec.to_builtins(held)}, indent=2))
+            else:
+                print(_holdings_table(held, client.pid, socket_dir))
+            return 0
+        if args.stop:
+            gone = client.stop()
+        else:
+            unknown = [n for n in args.names if n not in {h.name for h in held}]
+            if unknown:
+                print(f"weightcache release: error: the custodian holds no cache named {', '.join(unknown)} "
+                      "(see `weightcache release --list`)", file=sys.stderr)
+                return 2
+            names = [h.name for h in held if (not args.names or h.name in args.names)
+                     and (args.model is None or h.model in (args.model, str(Path(args.model).resolve())))]
+            gone = client.release(names) if names else None
+    except WeightCacheError as e:
+        print(f"weightcache release: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    released = gone.names if gone else []
+    if args.json:
+        print(json.dumps({"custodian": client.pid, "released": released, "nbytes": gone.nbytes if gone else 0}))
+    elif released:
+        print(f"released {len(released)} cache(s), {human_bytes(gone.nbytes)}: {', '.join(released)}")
+    else:
+        print("nothing to release")
+    return 0
+
+
+def _holdings_table(held, pid: int, socket_dir: Path) -> str:
+    import time
+
+    from .status_table import human_bytes
+
+    lines = [f"{'NAME':<40} {'MODEL':<30} {'BYTES':>10} {'SERVED BY':>10} {'HANDOVERS':>9} {'HELD':>8}"]
+    now = time.time()
+    for h in sorted(held, key=lambda h: h.name):
+        age = now - h.deposited_at
+        lines.append(f"{h.name:<40} {h.model[-30:]:<30} {human_bytes(h.nbytes):>10} "
+                     f"{(str(h.served_by) if h.served_by else '-'):>10} {h.handovers:>9} {age:>7.0f}s")
+    lines.append(f"\n{len(held)} cache(s) held by custodian pid {pid} in {socket_dir}")
+    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -481,6 +607,10 @@ def _engine_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "custodian":  # started by preload; not listed in --help
+        from . import custodian
+
+        return custodian.main(argv[1:]) or 0
     if argv and argv[0] == "demo":
         from . import demo
 
@@ -495,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "status":
         return status_main(args)
+    if args.command == "release":
+        return release_main(args)
     return build_parser().parse_args(argv + ["--help"]) or 2  # pragma: no cover
 
 

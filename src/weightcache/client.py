@@ -7,8 +7,11 @@ import errno
 import gc
 import logging
 import os
+import selectors
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -139,13 +142,76 @@ def find_socket(socket_dir: str | Path, key: CacheKey, device_tag: str) -> Path:
     )
 
 
+class _Watch:
+    """One thread watches every attached connection: a daemon sends nothing after an attach, so a readable
+    connection means the daemon is gone (or broke the protocol)."""
+
+    def __init__(self):
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # a forked child shares the epoll instance: it leaves it alone
+
+    def add(self, sock: socket.socket, on_lost) -> None:
+        with self._lock:
+            self._sel.register(sock, selectors.EVENT_READ, on_lost)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="weightcache-watch", daemon=True)
+                self._thread.start()
+
+    def forget(self, sock: socket.socket) -> None:
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            try:
+                self._sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+
+    def forget_and_close(self, sock: socket.socket) -> None:
+        self.forget(sock)
+        sock.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._sel.get_map():
+                    self._thread = None
+                    return
+            for key, _ in self._sel.select(timeout=0.5):
+                sock = key.fileobj
+                try:
+                    if sock.recv(4096, socket.MSG_DONTWAIT):
+                        continue  # nothing is expected; ignore it
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self.forget(sock)
+                key.data()
+
+
+_watch = _Watch()
+
+
+def _new_watch_after_fork() -> None:
+    global _watch
+    _watch = _Watch()
+
+
+os.register_at_fork(after_in_child=_new_watch_after_fork)
+
+
 class Attachment(Mapping[str, torch.Tensor]):
     """Tensors attached from a daemon. Views stay valid while referenced, even after close() or the daemon's
-    death (the driver/kernel refcounts the memory)."""
+    death (the driver/kernel refcounts the memory). While attached, the connection is watched: if the daemon
+    dies, one line is logged and `daemon_lost` turns True; a later attach finds its replacement."""
 
     def __init__(self, sock, key: CacheKey, manifest: Manifest, tensors: dict[str, torch.Tensor], device, mode,
-                 timings: dict[str, float] | None = None):
+                 timings: dict[str, float] | None = None, path: str = ""):
         self._sock = sock
+        self.path = path
+        self.daemon_lost = False
         self.timings = timings or {}
         self.key = key
         self.manifest = manifest
@@ -154,6 +220,23 @@ class Attachment(Mapping[str, torch.Tensor]):
         self.mode = mode
         self.roles = manifest.roles()
         self.nbytes = manifest.nbytes
+        if sock is not None:
+            ref = weakref.ref(self)
+
+            def lost():
+                att = ref()
+                if att is not None:
+                    att._daemon_lost()
+
+            _watch.add(sock, lost)
+            weakref.finalize(self, _watch.forget_and_close, sock)  # dropped without close(): detach
+
+    def _daemon_lost(self) -> None:
+        if self._sock is None:
+            return  # closed by us
+        self.daemon_lost = True
+        log.warning("weight cache daemon at %s is gone: the %d attached tensors (%.2f GiB) stay valid; a later "
+                    "attach finds its replacement", self.path, len(self.tensors), self.nbytes / 2**30)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -166,9 +249,9 @@ class Attachment(Mapping[str, torch.Tensor]):
 
     def close(self) -> None:
         """Detach: tell the daemon (by closing the connection) and drop our references."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            _watch.forget_and_close(sock)
         self.tensors = {}
 
     @property
@@ -343,4 +426,4 @@ def attach(
     t_manifest, t_import, t_views, t_end = marks
     timings = {"handshake": t_manifest - t0, "validate": t_import - t_manifest, "import": t_views - t_import,
                "views": t_end - t_views, "total": t_end - t0}
-    return Attachment(sock, reply.key, manifest, tensors, device, mode, timings)
+    return Attachment(sock, reply.key, manifest, tensors, device, mode, timings, path)

@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import msgspec
 import torch
 
 from . import wire
 from .arena import allocate_block
-from .errors import ProtocolError, SocketInUse
+from .errors import ProtocolError, SocketInUse, WeightCacheError
 from .key import CacheKey, diff
 from .manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -27,6 +28,7 @@ from .manifest import (
     plan_for_tensors,
     release_storage,
     storage_bytes,
+    validate,
 )
 from .naming import check_socket_path, ensure_private_dir
 
@@ -77,6 +79,7 @@ class Daemon:
         max_per_peer: int = MAX_PER_PEER,
         status_reserve: int = STATUS_RESERVE,
         info: dict[str, str] | None = None,
+        custodian: str | Path | None = None,
     ):
         self.socket_path = Path(socket_path)
         self.key = key
@@ -110,6 +113,12 @@ class Daemon:
         self._attach_count = 0
         self._attach_buckets = [0] * len(wire.ATTACH_BUCKETS)
         self._gpu_uuid = ""
+        self.custodian_path = Path(custodian) if custodian else None  # hands the cache to a replacement daemon
+        self._custodian = None  # our connection: the custodian knows we serve what we deposited or claimed
+        self.adopted = False  # the weights were taken over from the custodian, not loaded
+        self.held = False  # the custodian holds a copy: the cache outlives this daemon
+        self._started_mono = time.monotonic()
+        self._ready_seconds = 0.0
         self._peak_device_bytes = self._baseline_device_bytes = 0
         if self.device.type == "cuda":
             from .arena.cuda import gpu_uuid
@@ -131,6 +140,7 @@ class Daemon:
         listener.listen(128)
         listener.settimeout(0.2)
         self._listener = listener
+        self._started_mono = time.monotonic()
         self.state = "loading"
         threading.Thread(target=self._accept_loop, name="weightcache-accept", daemon=True).start()
         if self.device.type == "cuda":
@@ -164,11 +174,99 @@ class Daemon:
         self.manifest = manifest
         self._attached_frame = wire.encode(wire.Attached(key=self.key, manifest=manifest, nfds=len(self._blocks)))
         self._load_seconds = time.monotonic() - t0
+        if not self.adopted:
+            self._deposit(manifest)
         self.state = "ready"
+        self._ready_seconds = time.monotonic() - self._started_mono
         log.info(
-            "ready: %d tensors, %.2f GiB in %d block(s) on %s, loaded in %.2f s",
-            len(manifest.tensors), manifest.nbytes / 2**30, len(manifest.blocks), self.device, self._load_seconds,
+            "ready: %d tensors, %.2f GiB in %d block(s) on %s, %s in %.3f s",
+            len(manifest.tensors), manifest.nbytes / 2**30, len(manifest.blocks), self.device,
+            "taken over from the custodian (no load)" if self.adopted else "loaded", self._load_seconds,
         )
+
+    # ---- the custodian: the cache outlives this daemon --------------------------------------------------
+
+    def _custodian_client(self):
+        if self.custodian_path is None:
+            return None
+        if self._custodian is None:
+            from .custodian import CustodianClient
+
+            try:
+                self._custodian = CustodianClient.connect(self.custodian_path, client=f"daemon {self.socket_path.name}")
+            except WeightCacheError as e:
+                log.warning("no custodian (%s): this rank's cache will not outlive its daemon", e)
+                self.custodian_path = None
+        return self._custodian
+
+    def _deposit(self, manifest: Manifest) -> None:
+        client = self._custodian_client()
+        if client is None:
+            return
+        from .custodian import Holding
+
+        holding = Holding(name=self.socket_path.name, model=self.key.model, role=self.key.role, rank=self.key.rank,
+                          device=self.device.type, gpu_uuid=self._gpu_uuid,
+                          block_bytes=[b.nbytes for b in manifest.blocks])
+        try:
+            client.deposit(holding, msgspec.msgpack.encode(self.key), msgspec.msgpack.encode(manifest),
+                           [b.fd for b in self._blocks])
+            self.held = True
+        except WeightCacheError as e:
+            log.warning("the custodian did not take this rank's cache (%s): it will not outlive this daemon", e)
+
+    def adopt(self) -> bool:
+        """Serve the cache the custodian holds for this socket name, without a load: its key must equal ours
+        field by field. False when it holds none; one it holds that does not fit is released."""
+        client = self._custodian_client()
+        if client is None:
+            return False
+        t0 = time.monotonic()
+        name = self.socket_path.name
+        try:
+            got = client.claim(name)
+        except WeightCacheError as e:
+            log.warning("custodian: %s; loading afresh", e)
+            return False
+        if got is None:
+            return False
+        claimed, fds = got
+        try:
+            manifest = self._check_claimed(claimed, len(fds))
+            from .arena.adopted import AdoptedBlock
+
+            blocks = []
+            for fd, spec in zip(fds, manifest.blocks, strict=True):
+                blocks.append(AdoptedBlock(fd, spec.nbytes, self.device.type))
+        except (ValueError, WeightCacheError, msgspec.DecodeError, OSError) as e:
+            for fd in fds:
+                os.close(fd)
+            log.warning("the custodian's cache %s does not fit this daemon (%s): releasing it, loading afresh",
+                        name, e)
+            try:
+                client.release([name])
+            except WeightCacheError:
+                pass
+            return False
+        self._blocks = blocks
+        self.adopted = self.held = True
+        self._finish(manifest, t0)
+        return True
+
+    def _check_claimed(self, claimed, nfds: int) -> Manifest:
+        held_key = msgspec.msgpack.decode(claimed.key, type=CacheKey)
+        diffs = diff(self.key, held_key)
+        if diffs:
+            raise ValueError("its key differs: " + ", ".join(
+                f"{d.field}: held {d.actual!r}, this daemon {d.expected!r}" for d in diffs))
+        manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
+        validate(manifest)
+        if nfds != len(manifest.blocks) or [b.nbytes for b in manifest.blocks] != claimed.holding.block_bytes:
+            raise ValueError(f"{nfds} block fds for {len(manifest.blocks)} blocks")
+        if manifest.device != self.device.type or manifest.gpu_uuid != self._gpu_uuid:
+            raise ValueError(f"held on {manifest.device} {manifest.gpu_uuid}, this daemon serves {self.device} "
+                             f"{self._gpu_uuid}")
+        return manifest
 
     def load(self, source) -> None:
         """Plan from the source's description, allocate the arena, let the source fill it in place."""
@@ -299,8 +397,11 @@ class Daemon:
             except OSError:
                 pass
         for b in self._blocks:
-            b.close()  # memory lives on in attached engines until they drop their views
+            b.close()  # memory lives on in attached engines (and the custodian) until they drop it
         self._blocks = []
+        if self._custodian is not None:
+            self._custodian.close()  # what we deposited stays held for a replacement
+            self._custodian = None
 
     def __enter__(self):
         return self
@@ -322,7 +423,8 @@ class Daemon:
                 device=str(self.device), gpu_uuid=self._gpu_uuid, pid=os.getpid(),
                 nbytes=m.nbytes if m else 0, ntensors=len(m.tensors) if m else 0, nblocks=len(m.blocks) if m else 0,
                 started_at=self._started_at, load_seconds=self._load_seconds,
-                peak_device_bytes=self._peak_device_bytes,
+                peak_device_bytes=self._peak_device_bytes, adopted=self.adopted, held=self.held,
+                ready_seconds=self._ready_seconds,
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
                 attach_seconds_buckets=cumulative, info=self.info, **self._counters,
             )

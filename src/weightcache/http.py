@@ -26,6 +26,7 @@ class DaemonEntry:
     exitcode: int | None = None
     status: object | None = None  # wire.DaemonStatus
     error: str = ""  # why there is no status
+    restarts: int = 0  # daemons started in place of one that died after READY
 
     @property
     def state(self) -> str:
@@ -43,19 +44,21 @@ class DaemonEntry:
         out = {
             "role": self.role, "rank": self.rank, "socket": self.socket, "device": self.device, "pid": self.pid,
             "alive": self.alive, "exitcode": self.exitcode, "state": self.state, "error": self.error,
+            "restarts": self.restarts,
         }
         out["status"] = msgspec.to_builtins(self.status) if self.status is not None else None
         return out
 
 
 Collect = Callable[[], list[DaemonEntry]]
+Extra = Callable[[], list[tuple[str, str, float]]]  # more gauges: (name, help, value)
 
 
 def healthy(entries: list[DaemonEntry]) -> bool:
     return bool(entries) and all(e.ready for e in entries)
 
 
-def _collector(entries: list[DaemonEntry]):
+def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = ()):
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     from .wire import ATTACH_BUCKETS
@@ -75,11 +78,17 @@ def _collector(entries: list[DaemonEntry]):
                 "load_s": GaugeMetricFamily("weightcache_load_duration_seconds", "time the load took", labels=labels),
                 "start": GaugeMetricFamily("weightcache_start_time_seconds", "unix time the daemon started",
                                            labels=labels),
+                "adopted": GaugeMetricFamily("weightcache_daemon_adopted", "1 if the daemon took its weights from "
+                                             "the custodian (no load)", labels=labels),
+                "held": GaugeMetricFamily("weightcache_cache_held", "1 if the custodian holds a copy (the cache "
+                                          "outlives the daemon)", labels=labels),
             }
             c = {
                 "attaches": CounterMetricFamily("weightcache_attaches", "attaches served", labels=labels),
                 "refused": CounterMetricFamily("weightcache_attaches_refused", "attaches refused", labels=labels),
                 "served": CounterMetricFamily("weightcache_bytes_served", "bytes handed to clients", labels=labels),
+                "restarts": CounterMetricFamily("weightcache_daemon_restarts", "daemons started in place of one "
+                                                "that died after READY", labels=labels),
             }
             hist = HistogramMetricFamily("weightcache_attach_seconds", "time to serve one attach", labels=labels)
             for e in entries:
@@ -89,12 +98,15 @@ def _collector(entries: list[DaemonEntry]):
                 lv = [e.role, str(e.rank), device, model]
                 g["up"].add_metric(lv, 1.0 if e.alive and s is not None else 0.0)
                 g["ready"].add_metric(lv, 1.0 if e.ready else 0.0)
+                c["restarts"].add_metric(lv, float(e.restarts))
                 if s is None:
                     continue
                 for name, value in [("bytes", s.nbytes), ("tensors", s.ntensors), ("blocks", s.nblocks),
                                     ("clients", s.clients_attached), ("load_done", s.done),
                                     ("load_total", s.total), ("load_s", s.load_seconds), ("start", s.started_at)]:
                     g[name].add_metric(lv, float(value))
+                g["adopted"].add_metric(lv, 1.0 if getattr(s, "adopted", False) else 0.0)
+                g["held"].add_metric(lv, 1.0 if getattr(s, "held", False) else 0.0)
                 c["attaches"].add_metric(lv, float(s.attaches_served))
                 c["refused"].add_metric(lv, float(getattr(s, "attaches_refused", 0)))
                 c["served"].add_metric(lv, float(s.bytes_served))
@@ -105,19 +117,23 @@ def _collector(entries: list[DaemonEntry]):
             yield from g.values()
             yield from c.values()
             yield hist
+            for name, doc, value in extra:
+                gauge = GaugeMetricFamily(name, doc)
+                gauge.add_metric([], float(value))
+                yield gauge
 
     return _Collector()
 
 
-def render_metrics(entries: list[DaemonEntry]) -> bytes:
+def render_metrics(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = ()) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_collector(entries))
+    registry.register(_collector(entries, extra))
     return generate_latest(registry)
 
 
-def build_app(collect: Collect, info: Callable[[], dict] | None = None):
+def build_app(collect: Collect, info: Callable[[], dict] | None = None, extra: Extra | None = None):
     """A FastAPI app over `collect()`, which returns the local daemons' entries (queried at request time)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
@@ -136,7 +152,7 @@ def build_app(collect: Collect, info: Callable[[], dict] | None = None):
 
     @app.get("/metrics")
     def metrics():
-        return Response(render_metrics(collect()), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(collect(), extra() if extra else ()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     def status():

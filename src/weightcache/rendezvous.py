@@ -60,6 +60,7 @@ class Rendezvous:
         self._linger = False  # the start failed: node 0 keeps the store up until the others read why
         self._stamps: dict[int, dict[str, str]] = {}
         self._seen = False
+        self.all_held = False  # after agree(): every node's custodian holds all its ranks' caches
 
     @property
     def is_master(self) -> bool:
@@ -158,8 +159,9 @@ class Rendezvous:
 
     # --- protocol ---
     def agree(self, stamp: Mapping[str, str], ranks: Iterable[int], world_size: int | None = None,
-              on_poll=None) -> dict[int, dict[str, str]]:
-        """Publish this node's stamp and ranks, wait for every node, and check that they agree.
+              on_poll=None, held: bool = False) -> dict[int, dict[str, str]]:
+        """Publish this node's stamp and ranks, wait for every node, and check that they agree. `held`: this
+        node's custodian holds the caches of all its ranks; `all_held` is then whether every node's does.
 
         `on_poll()` runs while waiting (e.g. to notice a local daemon dying); what it raises propagates."""
         assert self.store is not None, "start() first"
@@ -172,8 +174,9 @@ class Rendezvous:
                 "every node needs its own --node-rank")
         self._set(f"stamp/{self.node_rank}", stamp)
         self._set(f"ranks/{self.node_rank}", ranks)
+        self._set(f"held/{self.node_rank}", bool(held))
         deadline = time.monotonic() + self.timeout
-        names = [f"stamp/{n}" for n in range(self.nnodes)] + [f"ranks/{n}" for n in range(self.nnodes)]
+        names = [f"{what}/{n}" for what in ("stamp", "ranks", "held") for n in range(self.nnodes)]
         self._wait_for(names, "every node to join", deadline, on_poll)
         stamps = {n: self._get(f"stamp/{n}") for n in range(self.nnodes)}
         node_ranks = {n: self._get(f"ranks/{n}") for n in range(self.nnodes)}
@@ -199,6 +202,7 @@ class Rendezvous:
             self._linger = True
             raise RendezvousError(f"[{self.group}] the nodes disagree:\n  " + "\n  ".join(problems))
         self._stamps = stamps
+        self.all_held = all(self._get(f"held/{n}") for n in range(self.nnodes))
         return stamps
 
     def fail(self, message: str) -> None:

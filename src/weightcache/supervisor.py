@@ -8,11 +8,18 @@ Start-up, per node:
 3. wait until each (role, rank) is ready on every node; print one READY line; hold until SIGINT/SIGTERM.
 A daemon that exits during start-up stops the start on every node. Children die with the supervisor
 even when it is SIGKILLed (PR_SET_PDEATHSIG plus a lifeline pipe they watch).
+
+With a custodian (custodian.py, the default), each daemon first asks it for the cache of its exact key and
+serves that without a load; a daemon that loads hands its blocks to the custodian. So a daemon that dies
+after READY is replaced at once (no checkpoint read), and a `preload` that was SIGKILLed comes back READY
+without a load. An orderly stop releases the weights unless asked to keep them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -40,7 +47,12 @@ TERM_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 FAIL_GRACE_S = 0.5  # after a first failure, collect other ranks failing at the same moment
 PR_SET_PDEATHSIG = 1
 EXIT_OOM = 3  # a daemon ran out of device or host memory
-GO = b"go"
+EXIT_KEY_CHANGED = 4  # a replacement daemon computed another key than its rank agreed on: never restarted
+MAX_FAILED_RESTARTS = 5  # consecutive replacements that died before ready: give up on that rank
+RESTART_BACKOFF_MAX_S = 30.0
+GO = b"go"  # every node agreed: take the cache from the custodian if it holds it, else load
+LOAD = b"load"  # load afresh (some rank of the group has nothing held: its ranks load together)
+ADOPT = b"adopt"  # take the cache from the custodian or fail (a rank that cannot load alone)
 
 
 class StartError(Exception):
@@ -82,6 +94,7 @@ class Group:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port (single node only)
     info: dict = field(default_factory=dict)
+    loads_alone: bool = True  # a rank's source loads without its peers (False: vLLM's loader with a process group)
 
 
 def default_key(source, placement: Placement, *, layout: str, role: str, **base) -> CacheKey:
@@ -130,13 +143,16 @@ class ChildSpec:
     master_port: int
     info: dict
     log_level: int = logging.INFO
+    custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    loads_alone: bool = True
+    expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
 
 
 # ---------------------------------------------------------------------------------------------- child side
 
-def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
+def _die_with_parent(parent_pid: int, lifeline, go: threading.Event, mode: list) -> None:
     """SIGTERM this process when the supervisor goes away, however it goes. The lifeline pipe also
-    carries the supervisor's "go" (every node agreed: load now)."""
+    carries the supervisor's "go" (every node agreed: load now) and how (GO, LOAD or ADOPT, into `mode`)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -149,7 +165,9 @@ def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
     def watch():
         try:
             while True:
-                if lifeline.recv_bytes() == GO:
+                msg = lifeline.recv_bytes()
+                if msg in (GO, LOAD, ADOPT):
+                    mode[:] = [msg]
                     go.set()
         except (EOFError, OSError):
             pass
@@ -158,6 +176,23 @@ def _die_with_parent(parent_pid: int, lifeline, go: threading.Event) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="weightcache-lifeline", daemon=True).start()
+
+
+class LazySource:
+    """The group's source, built on first use: a daemon that takes its cache from the custodian never builds
+    it (building one may read the checkpoint's headers)."""
+
+    def __init__(self, make: Callable, placement: Placement, args: dict):
+        self._make, self._placement, self._args = make, placement, args
+        self._source = None
+
+    def get(self):
+        if self._source is None:
+            self._source = self._make(self._placement, **self._args)
+        return self._source
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
 
 
 def _send(conn, kind: str, **fields) -> None:
@@ -169,8 +204,8 @@ def _send(conn, kind: str, **fields) -> None:
 
 def child_main(spec: ChildSpec, conn, lifeline) -> None:
     """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
-    go = threading.Event()
-    _die_with_parent(spec.supervisor_pid, lifeline, go)
+    go, mode = threading.Event(), [GO]
+    _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor alone; it stops the daemons
@@ -187,31 +222,45 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
             import torch
 
             torch.cuda.set_device(p.local_index)  # local index == device index
-        source = spec.make_source(p, **spec.source_args)
+        source = LazySource(spec.make_source, p, spec.source_args)
         key = spec.make_key(source, p, layout=spec.layout, role=spec.role, **spec.key_args)
         if key.rank != p.rank or key.role != spec.role or key.layout != spec.layout:
             raise ValueError(f"make_key returned rank {key.rank}/{key.role}/{key.layout} for rank {p.rank}/"
                              f"{spec.role}/{spec.layout}")
+        if spec.expect_key is not None:
+            from .key import diff
+
+            changed = diff(spec.expect_key, key)
+            if changed:
+                code = EXIT_KEY_CHANGED
+                raise ValueError("the weights changed since this rank started (" + ", ".join(
+                    f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
         path = socket_path(spec.socket_dir, key, device_tag(p.device))
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
-        daemon = Daemon(path, key, device=p.device, info=info)
+        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None)
         daemon.start()
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
         while not go.wait(0.5):
             pass
-        if hasattr(source, "load_into"):  # builds its own tensors (vLLM's loader); packs them with sharing kept
+        if mode[0] != LOAD and daemon.adopt():
+            pass  # the custodian held this exact cache: served again without a load
+        elif mode[0] == ADOPT:
+            raise RuntimeError("the custodian holds no cache for this rank, and its source loads only together "
+                               "with every rank of its group: restart preload")
+        elif hasattr(source.get(), "load_into"):  # builds its own tensors (vLLM's loader); packed, sharing kept
             source.load_into(daemon)
         else:
-            daemon.load(source)
+            daemon.load(source.get())
         st = daemon.status()
-        _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds)
+        _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds,
+              adopted=st.adopted, held=st.held, ready_seconds=st.ready_seconds)
         daemon.serve_forever()
     except _Terminated:
         code = 0
     except BaseException as e:
         oom = isinstance(e, (ArenaOutOfMemory, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
-        code = EXIT_OOM if oom else 1
+        code = EXIT_OOM if oom else (code or 1)
         if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
             code = e.code
         message = f"{type(e).__name__}: {e}"
@@ -245,6 +294,11 @@ class Child:
     state: str = "spawned"  # spawned | started | ready | failed
     message: str = ""
     ready_info: dict = field(default_factory=dict)
+    replacement: bool = False  # started after READY in place of a daemon that died
+    go_sent: bool = False
+    announced: bool = False
+    reported: bool = False  # its exit was logged
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the HTTP thread drains too
 
     @property
     def label(self) -> str:
@@ -256,6 +310,10 @@ class Child:
         return self.proc.exitcode is not None
 
     def drain(self) -> None:
+        with self.lock:
+            self._drain()
+
+    def _drain(self) -> None:
         while self.conn is not None:
             try:
                 if not self.conn.poll():
@@ -273,6 +331,27 @@ class Child:
                 self.state, self.ready_info = "ready", msg
             elif kind == "failed":
                 self.state, self.message = "failed", msg.get("message", "")
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Unlink a socket no daemon listens on any more."""
+    import socket
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    except OSError:
+        pass
+    finally:
+        probe.close()
 
 
 def exit_code_of(exitcode: int | None) -> int:
@@ -294,7 +373,8 @@ def ranks_text(ranks: list[int]) -> str:
 class Supervisor:
     def __init__(self, groups: list[Group], *, socket_dir: str | Path, health_host: str = "127.0.0.1",
                  health_port: int | None = None, start_timeout: float = 3600.0,
-                 rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None):
+                 rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
+                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True):
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -318,8 +398,17 @@ class Supervisor:
         self.http = None
         self.ready = False
         self._ctx = mp.get_context("spawn")
-        self._reported: set[int] = set()
         self._marked: set[str] = set()
+        self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
+        self.custodian = None  # our connection to it (custodian.CustodianClient); it lives while we do
+        self._custodian_lost = False
+        self._stopped_by_signal = False
+        self._owned: set[str] = set()  # names (socket file names) our daemons bound: the caches we stand for
+        self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
+        self.restarts: dict[tuple[str, int], int] = {}
+        self._failed_restarts: dict[tuple[str, int], int] = {}
+        self._pending: dict[int, float] = {}  # child index -> when to start its replacement
+        self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
 
     @property
     def node_rank(self) -> int:
@@ -341,6 +430,7 @@ class Supervisor:
             code = self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
+            self._stopped_by_signal = True
             if not self.ready:  # the other nodes must not wait for this one
                 failure = StartError(f"node {self.node_rank} was stopped ({t}) during start-up", 0)
         except BaseException as e:
@@ -362,6 +452,10 @@ class Supervisor:
         ensure_private_dir(self.socket_dir)
         if self.health_port is not None:
             self._start_http()
+        if self.use_custodian:
+            self._open_custodian()
+        else:
+            self._note_custodian()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
                              nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
@@ -374,32 +468,233 @@ class Supervisor:
             for p in g.layout.local_placements():
                 self._spawn(g, p)
         self._wait_for(lambda: all(c.state in ("started", "ready") for c in self.children), "to open its socket")
+        self._prune()
+        held = {g.role: self._held_here(g) for g in self.groups}
+        go = {}
         for g in self.groups:
-            self._agree(g)
+            go[g.role] = GO if self._agree(g, held[g.role]) else LOAD
+            if go[g.role] == LOAD and held[g.role] is not None:
+                self._release_group(g)  # held for some ranks only: they load together with the others
         for c in self.children:
-            c.lifeline.send_bytes(GO)
+            self._keys[(c.spec.role, c.spec.placement.rank)] = c.key
+        for c in self.children:
+            c.lifeline.send_bytes(go[c.spec.role])
         self._wait_for(self._all_ready, "to load")
         self.ready = True
+        adopted = [c for c in self.children if c.ready_info.get("adopted")]
+        if adopted:
+            slowest = max(float(c.ready_info.get("load_seconds", 0)) for c in adopted)
+            log.info("%d of %d daemon(s) took their weights from the custodian (no load; the slowest in %.1f ms)",
+                     len(adopted), len(self.children), slowest * 1e3)
         self._print_ready()
 
     def hold(self) -> int:
-        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503); when
-        none is left, return the worst exit code."""
+        """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503) and
+        replaced by a new daemon for its rank, which takes the cache from the custodian (a replacement that
+        dies before it is ready is retried with a growing delay, then given up). When no daemon is left and
+        none is due to be replaced, return the worst exit code."""
         while True:
-            sentinels = [c.proc.sentinel for c in self.children if not c.exited]
-            if sentinels:
-                mpc.wait(sentinels, timeout=1.0)
+            code = self.hold_once()
+            if code is not None:
+                return code
+
+    def hold_once(self) -> int | None:
+        """One round of hold(): wait up to a second for news, handle it; the exit code once all is over."""
+        waitables = [c.proc.sentinel for c in self.children if not c.exited]
+        waitables += [c.conn for c in self.children if c.conn is not None and c.state != "ready"]
+        if waitables:
+            mpc.wait(waitables, timeout=0.2 if self._pending else 1.0)
+        else:
+            time.sleep(0.2)
+        for i, c in enumerate(self.children):
+            c.drain()
+            if c.socket:
+                self._owned.add(Path(c.socket).name)
+            if c.replacement:
+                self._tend_replacement(c)
+            if c.exited and not c.reported:
+                c.reported = True
+                self._on_exit(i, c)
+        self._start_due_replacements()
+        self._watch_custodian()
+        if all(c.reported for c in self.children) and not self._pending:  # each exit handled
+            log.error("every daemon of this node has exited; stopping")
+            return max(exit_code_of(c.proc.exitcode) for c in self.children)
+        return None
+
+    def _on_exit(self, i: int, c: Child) -> None:
+        slot = (c.spec.role, c.spec.placement.rank)
+        why = f": {c.message}" if c.message else ""
+        if c.state == "ready":
+            self._failed_restarts[slot] = 0
+            log.error("%s exited with code %s after it was ready%s", c.label, c.proc.exitcode, why)
+        else:
+            self._failed_restarts[slot] = self._failed_restarts.get(slot, 0) + 1
+            log.error("%s (a replacement) exited with code %s before it was ready%s", c.label, c.proc.exitcode, why)
+        if not self.restart:
+            return
+        if c.proc.exitcode == EXIT_KEY_CHANGED:
+            log.error("%s is not replaced: its weights changed on disk; restart preload to serve them", c.label)
+            return
+        failures = self._failed_restarts[slot]
+        if failures >= MAX_FAILED_RESTARTS:
+            log.error("%s: %d replacements in a row died before they were ready; giving up on it", c.label, failures)
+            return
+        delay = 0.0 if failures == 0 else min(RESTART_BACKOFF_MAX_S, 2.0 ** (failures - 1))
+        log.warning("%s: starting a replacement%s", c.label, f" in {delay:.0f} s" if delay else "")
+        self._pending[i] = time.monotonic() + delay
+
+    def _start_due_replacements(self) -> None:
+        for old in self._retired:
+            with contextlib.suppress(ValueError):
+                old.proc.close()  # its sentinel fd
+        self._retired.clear()
+        now = time.monotonic()
+        for i, due in sorted(self._pending.items()):
+            if due > now:
+                continue
+            del self._pending[i]
+            old = self.children[i]
+            slot = (old.spec.role, old.spec.placement.rank)
+            with contextlib.suppress(OSError):
+                old.lifeline.close()
+            spec = dataclasses.replace(old.spec, expect_key=self._keys.get(slot), supervisor_pid=os.getpid())
+            new = self._start_child(spec)
+            new.replacement = True
+            self.children[i] = new
+            self.restarts[slot] = self.restarts.get(slot, 0) + 1
+            self._retired.append(old)
+
+    def _tend_replacement(self, c: Child) -> None:
+        """A replacement daemon needs no agreement (its key is checked against the agreed one): go at once."""
+        if c.state == "started" and not c.go_sent:
+            c.go_sent = True
+            with contextlib.suppress(OSError):
+                c.lifeline.send_bytes(GO if c.spec.loads_alone else ADOPT)
+        if c.state == "ready" and not c.announced:
+            c.announced = True
+            slot = (c.spec.role, c.spec.placement.rank)
+            self._failed_restarts[slot] = 0
+            info = c.ready_info
+            how = (f"took its weights from the custodian in {float(info.get('load_seconds', 0)) * 1e3:.1f} ms "
+                   "(no load)" if info.get("adopted") else f"loaded in {float(info.get('load_seconds', 0)):.2f} s")
+            log.info("%s is back (replacement %d, pid %d): %s; %.1f ms from its socket to ready", c.label,
+                     self.restarts.get(slot, 0), c.proc.pid, how, float(info.get("ready_seconds", 0)) * 1e3)
+
+    # -- the custodian -----------------------------------------------------------------------------------
+
+    def _open_custodian(self) -> None:
+        from .custodian import connect_or_launch
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        try:
+            self.custodian = connect_or_launch(self.socket_dir, client=f"supervisor pid {os.getpid()}")
+        except WeightCacheError as e:
+            log.warning("no custodian (%s): the weights will not outlive their daemons", e)
+            return
+        held = self.custodian.holdings().holdings
+        log.info("custodian pid %d holds %d cache(s)%s", self.custodian.pid, len(held),
+                 f" ({human_bytes(sum(h.nbytes for h in held))})" if held else "")
+
+    def _note_custodian(self) -> None:
+        """Without a custodian of our own, say what one left in this directory still holds."""
+        from .custodian import CustodianClient, socket_path_in
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        if not socket_path_in(self.socket_dir).exists():
+            return
+        try:
+            client = CustodianClient.connect(self.socket_dir, timeout=5.0)
+            try:
+                held = client.holdings().holdings
+            finally:
+                client.close()
+        except WeightCacheError:
+            return
+        if held:
+            log.warning("a custodian still holds %d cache(s) (%s) in %s; `weightcache release --socket-dir %s` "
+                        "frees them", len(held), human_bytes(sum(h.nbytes for h in held)), self.socket_dir,
+                        self.socket_dir)
+
+    def _custodian_socket(self) -> str:
+        return str(self.custodian.path) if self.custodian is not None else ""
+
+    def _prune(self) -> None:
+        """Release what the custodian holds for our roles and models under other keys (other flags, another
+        layout, a changed checkpoint) before anything loads: the memory is needed, and it is never served."""
+        if self.custodian is None:
+            return
+        from .errors import WeightCacheError
+        from .status_table import human_bytes
+
+        for g in self.groups:
+            mine = [c for c in self.children if c.spec.role == g.role]
+            keep = [Path(c.socket).name for c in mine]
+            try:
+                gone = self.custodian.prune(g.role, mine[0].key.model, keep)
+            except WeightCacheError as e:
+                log.warning("custodian: %s", e)
+                continue
+            if gone.names:
+                log.info("released %d cache(s) of %s held under another key (%s): %s", len(gone.names),
+                         mine[0].key.model, human_bytes(gone.nbytes), ", ".join(gone.names))
+            for name in gone.names:  # the sockets their killed daemons left behind
+                remove_stale_socket(self.socket_dir / name)
+
+    def _held_here(self, g: Group) -> bool | None:
+        """Whether the custodian holds every local cache of the group (None: it holds none of them)."""
+        if self.custodian is None:
+            return None
+        from .errors import WeightCacheError
+
+        try:
+            names = {h.name for h in self.custodian.holdings().holdings}
+        except WeightCacheError:
+            return None
+        mine = {Path(c.socket).name for c in self.children if c.spec.role == g.role}
+        return True if mine <= names else (False if mine & names else None)
+
+    def _release_group(self, g: Group) -> None:
+        from .errors import WeightCacheError
+
+        names = [Path(c.socket).name for c in self.children if c.spec.role == g.role]
+        try:
+            gone = self.custodian.release(names)
+        except WeightCacheError as e:
+            log.warning("custodian: %s", e)
+            return
+        if gone.names:
+            log.info("%s: the custodian holds the weights of some ranks only; released them (%s): every rank "
+                     "loads afresh", g.role, ", ".join(gone.names))
+
+    def _watch_custodian(self) -> None:
+        if self.custodian is not None and not self._custodian_lost and self.custodian.lost():
+            self._custodian_lost = True
+            log.error("the custodian (pid %d) is gone: the weights now live only as long as their daemons",
+                      self.custodian.pid)
+
+    def _release_held(self, failure: BaseException | None) -> None:
+        if self.custodian is None:
+            return
+        from .errors import WeightCacheError
+
+        self._owned.update(Path(c.socket).name for c in self.children if c.socket)
+        try:
+            if failure is not None or not (self.keep_on_stop and self._stopped_by_signal):
+                gone = self.custodian.release(sorted(self._owned))
+                if gone.names:
+                    log.info("released %d cache(s) held by the custodian", len(gone.names))
             else:
-                time.sleep(1.0)
-            for c in self.children:
-                c.drain()
-                if c.exited and id(c) not in self._reported:
-                    self._reported.add(id(c))
-                    log.error("%s exited with code %s after it was ready%s", c.label, c.proc.exitcode,
-                              f": {c.message}" if c.message else "")
-            if all(c.exited for c in self.children):
-                log.error("every daemon of this node has exited; stopping")
-                return max(exit_code_of(c.proc.exitcode) for c in self.children)
+                held = {h.name for h in self.custodian.holdings().holdings} & self._owned
+                log.info("the custodian (pid %d) keeps %d cache(s) for the next preload; `weightcache release "
+                         "--socket-dir %s` frees them", self.custodian.pid, len(held), self.socket_dir)
+        except WeightCacheError as e:
+            log.warning("custodian: %s", e)
+        finally:
+            self.custodian.close()
+            self.custodian = None
 
     def shutdown(self, failure: BaseException | None = None) -> None:
         from .rendezvous import RendezvousError
@@ -407,7 +702,9 @@ class Supervisor:
         if failure is not None and not isinstance(failure, RendezvousError):
             for rdv in self.rendezvous.values():
                 rdv.fail(str(failure))
+        self._pending.clear()
         self._terminate_children()
+        self._release_held(failure)
         for rdv in self.rendezvous.values():
             rdv.close()
         if self.http is not None:
@@ -421,19 +718,26 @@ class Supervisor:
                          make_source=g.make_source, source_args=dict(g.source_args),
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
-                         master_port=g.master_port, info=dict(g.info), log_level=self.log_level)
+                         master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
+                         custodian=self._custodian_socket(), loads_alone=g.loads_alone)
+        self.children.append(self._start_child(spec))
+
+    def _start_child(self, spec: ChildSpec) -> Child:
+        p = spec.placement
         status_r, status_w = self._ctx.Pipe(duplex=False)
         life_r, life_w = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=child_main, args=(spec, status_w, life_r),
-                                 name=f"weightcache-{g.role}-r{p.rank}")
+                                 name=f"weightcache-{spec.role}-r{p.rank}")
         proc.start()
         status_w.close()  # the child holds the only writer: EOF when it dies
         life_r.close()  # the child holds the only reader of its lifeline
-        self.children.append(Child(spec, proc, status_r, life_w))
+        return Child(spec, proc, status_r, life_w)
 
     def _check_children(self) -> None:
         for c in self.children:
             c.drain()
+            if c.socket:
+                self._owned.add(Path(c.socket).name)
         if any(c.exited for c in self.children):
             self._fail_start()
 
@@ -457,7 +761,9 @@ class Supervisor:
                 log.info("waiting for %s", ", ".join(f"{c.label} ({c.state})" for c in self.children
                                                      if c.state != "ready") or "the other nodes")
 
-    def _agree(self, g: Group) -> None:
+    def _agree(self, g: Group, held: bool | None) -> bool:
+        """Every node builds the same keys; returns whether each node holds the group's every local cache
+        (then the group adopts; a partly held group loads afresh: its ranks may load only together)."""
         from .key import diff
 
         mine = [c for c in self.children if c.spec.role == g.role]
@@ -468,12 +774,15 @@ class Supervisor:
                 fields = ", ".join(f"{x.field}: {x.expected!r} vs {x.actual!r}" for x in d)
                 raise StartError(f"{g.role} ranks {mine[0].spec.placement.rank} and {c.spec.placement.rank} "
                                  f"of this node built different keys ({fields})")
-        self.rendezvous[g.role].agree(stamp_of(ref, g.layout), [c.key.rank for c in mine], g.layout.world_size,
-                                      on_poll=self._check_children)
+        rdv = self.rendezvous[g.role]
+        rdv.agree(stamp_of(ref, g.layout), [c.key.rank for c in mine], g.layout.world_size,
+                  on_poll=self._check_children, held=bool(held))
+        return rdv.all_held
 
     def _all_ready(self) -> bool:
         if not all(c.state == "ready" for c in self.children):
             return False
+
         for role, rdv in self.rendezvous.items():
             if role not in self._marked:
                 mine = [c for c in self.children if c.spec.role == role]
@@ -492,7 +801,7 @@ class Supervisor:
         dead = [c for c in self.children if c.exited]
         lines, worst = [], 0
         for c in dead:
-            self._reported.add(id(c))
+            c.reported = True
             worst = max(worst, exit_code_of(c.proc.exitcode))
             why = c.message or (f"killed by {signal.Signals(-c.proc.exitcode).name}" if c.proc.exitcode < 0
                                 else "exited without saying why")
@@ -564,7 +873,8 @@ class Supervisor:
         for c in list(self.children):
             c.drain()
             p = c.spec.placement
-            e = DaemonEntry(c.spec.role, p.rank, c.socket, device=p.device, pid=c.proc.pid)
+            e = DaemonEntry(c.spec.role, p.rank, c.socket, device=p.device, pid=c.proc.pid,
+                            restarts=self.restarts.get((c.spec.role, p.rank), 0))
             e.alive = not c.exited
             if not e.alive:
                 e.exitcode = c.proc.exitcode
@@ -582,17 +892,28 @@ class Supervisor:
     def info(self) -> dict:
         return {
             "node_rank": self.node_rank, "nnodes": self.nnodes, "ready": self.ready,
-            "socket_dir": str(self.socket_dir),
+            "socket_dir": str(self.socket_dir), "custodian": self._custodian_info(),
             "groups": [{"role": g.role, "layout": g.layout.describe(), "world_size": g.layout.world_size,
                         "master_port": g.master_port,
                         "cluster": self.rendezvous[g.role].cluster_state() if g.role in self.rendezvous else {}}
                        for g in self.groups],
         }
 
+    def _custodian_info(self) -> dict:
+        client = self.custodian
+        if client is None or self._custodian_lost:
+            return {"up": False}
+        return {"up": True, "pid": client.pid, "socket": str(client.path)}
+
+    def _custodian_metrics(self) -> list[tuple[str, str, float]]:
+        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs",
+                 1.0 if self._custodian_info()["up"] else 0.0)]
+
     def _start_http(self) -> None:
         from .http import HealthServer, build_app
 
-        self.http = HealthServer(build_app(self.entries, self.info), self.health_host, self.health_port)
+        self.http = HealthServer(build_app(self.entries, self.info, self._custodian_metrics), self.health_host,
+                                 self.health_port)
         try:
             port = self.http.start()
         except (OSError, TimeoutError) as e:

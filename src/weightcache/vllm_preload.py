@@ -34,7 +34,7 @@ def _strip_engine(argv: list[str]) -> list[str]:
 
 
 def add_weight_cache_arguments(p) -> None:
-    from .cli import DEFAULT_HEALTH_HOST, _port, _port_or_zero
+    from .cli import DEFAULT_HEALTH_HOST, _port, _port_or_zero, add_custodian_arguments
 
     g = p.add_argument_group("weight cache")
     g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
@@ -52,6 +52,7 @@ def add_weight_cache_arguments(p) -> None:
     g.add_argument("--weight-cache-start-timeout", type=float, default=3600.0, metavar="S")
     g.add_argument("--weight-cache-rendezvous-timeout", type=float, default=600.0, metavar="S")
     g.add_argument("--weight-cache-log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_custodian_arguments(g)
 
 
 def build_parser():
@@ -125,7 +126,8 @@ def plan_groups(args, vllm_config) -> list:
             role=role, layout=layout, make_source=src.make_source, make_key=src.make_key,
             source_args={"vllm_config": vllm_config, "role": role, "master_addr": addr, "master_port": gport,
                          "timeout_s": args.weight_cache_rendezvous_timeout},
-            master_addr=addr, master_port=gport, info={"engine": "vllm"}))
+            master_addr=addr, master_port=gport, info={"engine": "vllm"},
+            loads_alone=layout.world_size == 1))  # its ranks load in one process group
     return groups
 
 

@@ -78,6 +78,9 @@ class DaemonStatus(msgspec.Struct, tag="status_reply", kw_only=True):
     started_at: float
     load_seconds: float = 0.0
     peak_device_bytes: int = 0  # device memory in use above the daemon's start, at most, while loading (CUDA)
+    adopted: bool = False  # taken over from the custodian: no load
+    held: bool = False  # the custodian holds a copy: the cache outlives this daemon
+    ready_seconds: float = 0.0  # from binding the socket to ready
     attach_seconds_sum: float = 0.0
     attach_seconds_count: int = 0
     attach_seconds_buckets: list[int] = []
@@ -105,9 +108,9 @@ def encode(msg) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes):
+def decode(body: bytes, decoder: msgspec.msgpack.Decoder | None = None):
     try:
-        return _decoder.decode(body)
+        return (decoder or _decoder).decode(body)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed message: {e}") from None
 
@@ -142,15 +145,17 @@ def send_frame(sock: socket.socket, frame: bytes) -> None:
     sock.sendall(frame)
 
 
-def recv_msg(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None = None):
-    """Read one frame, all of it before `deadline` (time.monotonic()) if given.
+def recv_msg(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None = None,
+             decoder: msgspec.msgpack.Decoder | None = None):
+    """Read one frame, all of it before `deadline` (time.monotonic()) if given; `decoder` decodes another
+    protocol's messages over the same framing (the custodian's).
 
     Raises EOFError on a clean close before a frame, ProtocolError on bad frames, TimeoutError past the deadline.
     """
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
-    return decode(_recv_exact(sock, length, deadline))
+    return decode(_recv_exact(sock, length, deadline), decoder)
 
 
 def send_fds(sock: socket.socket, fds: list[int]) -> None:
