@@ -176,6 +176,55 @@ def test_cpu_fill_segments_match_slices(ckpt, order, threads):
         assert all(torch.equal(v[n], want[n]) for n in want)
 
 
+def arena_views(src):
+    from weightcache.arena.host import HostBlock
+    from weightcache.manifest import build_views, plan_for_metas
+
+    manifest = plan_for_metas(src.describe())
+    blocks = [HostBlock(b.nbytes) for b in manifest.blocks]
+    return blocks, build_views(manifest, [b.tensor for b in blocks])
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_cpu_fill_into_memfd_arena_sends_file_pages(ckpt, monkeypatch, refuse):
+    import errno
+
+    calls = []
+    real = os.sendfile
+
+    def sendfile(*a):
+        calls.append(a)
+        if refuse:
+            raise OSError(errno.EINVAL, "refused")
+        return real(*a)
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    src = SafetensorsSource(ckpt, tp_rank=1, tp_size=2, tp_plan=PLAN, chunk_bytes=2 * PAGE, progress=False)
+    blocks, views = arena_views(src)
+    src.fill(views)
+    want = reference(ckpt, 1, 2, None)
+    assert all(torch.equal(views[n], want[n]) for n in want)
+    contiguous = sum(p.nbytes for p in src.plan_reads(views)[0])  # slices (last-dim splits) are copied
+    assert len(calls) == 1 if refuse else sum(a[3] for a in calls) == contiguous
+    assert src._sendfile_ok is not refuse
+    for b in blocks:
+        b.close()
+
+
+def test_cpu_fill_into_arena_truncated(ckpt, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    src = SafetensorsSource(d, progress=False)
+    blocks, views = arena_views(src)
+    os.truncate(d / "b.safetensors", 3 * PAGE)
+    with pytest.raises(CheckpointError, match="b.safetensors: unexpected end of file"):
+        src.fill(views)
+    for b in blocks:
+        b.close()
+
+
 def test_io_from_environment(ckpt, monkeypatch):
     monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "mmap")
     assert SafetensorsSource(ckpt, progress=False).io == "mmap"

@@ -469,9 +469,15 @@ def test_load_bench_runs_on_cpu(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "load.json"
     assert bench.main(["--device", "cpu", "--size-gb", "0.004", "--shard-gb", "0.001", "--dir", str(tmp_path),
-                       "--runs", "1", "--tp", "2", "--out", str(out)]) == 0
-    res = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    for m in ("weightcache", "weightcache-mmap"):
-        assert res[m]["verified"] == 4 and res[m]["gb_per_s"] > 0
+                       "--runs", "1", "--tp", "2", "--out", str(out), "--sweep", "io=staged,threads=1,chunk_mb=1",
+                       "--methods", "weightcache,weightcache-mmap,safetensors,instanttensor,memcpy-fresh"]) == 0
+    info = json.loads(out.read_text())
+    res = {r["method"]: r for r in info["results"]}
+    ntensors = len(SafetensorsSource(info["checkpoint"]["path"], progress=False).tensors)
+    for m in ("weightcache", "weightcache-mmap", "wc[io=staged threads=1 chunk_mb=1]"):
+        assert res[m]["verified"] == ntensors and res[m]["gb_per_s"] > 0 and res[m]["buffers"] == "arena"
     assert res["weightcache"]["bytes"] == res["weightcache-mmap"]["bytes"]
     assert "skipped" in res["safetensors"]  # whole tensors only; tp=2 asked
+    assert res["instanttensor"]["skipped"] == "CUDA only"
+    assert res["memcpy-fresh"]["gb_per_s"] > 0
+    assert info["summary"]["fastest_weightcache"]["gb_per_s"] > 0

@@ -6,6 +6,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 import warnings
 
 import torch
@@ -13,6 +14,18 @@ import torch
 from ..errors import ArenaOutOfMemory
 
 PAGE = mmap.PAGESIZE
+_live: dict[int, tuple[int, int]] = {}  # address of a live block's mapping -> (size, memfd)
+_live_lock = threading.Lock()
+
+
+def block_file_at(ptr: int, nbytes: int) -> tuple[int, int] | None:
+    """(memfd, offset) of the live block whose mapping holds [ptr, ptr + nbytes), else None. Writing through
+    the file fills pages without faulting and zeroing them in this process (a loader's fast path)."""
+    with _live_lock:
+        for base, (size, fd) in _live.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                return fd, ptr - base
+    return None
 
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
@@ -68,6 +81,9 @@ class HostBlock:
             os.close(self.fd)
             raise
         self.tensor = _tensor_over(self._mm)
+        self._addr = self.tensor.data_ptr()
+        with _live_lock:
+            _live[self._addr] = (self.nbytes, self.fd)
 
     def seal(self) -> None:
         """No one (importers included) may shrink or grow the file after the fill."""
@@ -79,7 +95,18 @@ class HostBlock:
             return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         return os.dup(self.fd)
 
+    def _forget(self) -> None:
+        with _live_lock:
+            _live.pop(getattr(self, "_addr", None), None)
+
+    def __del__(self):
+        try:
+            self._forget()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def close(self) -> None:
+        self._forget()
         self.tensor = None
         self._mm = None  # unmapped when the last view dies
         if self.fd >= 0:

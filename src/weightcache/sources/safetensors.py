@@ -13,6 +13,7 @@ release the GIL.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -302,6 +303,7 @@ class SafetensorsSource:
             self.tensors[tname] = _Tensor(e, spec, spec.shard_shape(e.shape, tp_size), out_dtype)
         self._handles: dict[Path, object] = {}
         self._handles_lock = threading.Lock()
+        self._sendfile_ok = hasattr(os, "sendfile")
 
     # -- Source protocol --------------------------------------------------------------------------
 
@@ -500,22 +502,56 @@ class SafetensorsSource:
         return dst[job.r0 : job.r1]
 
     def _cpu_worker(self, views, fds, next_item, report) -> None:
+        """Segments go straight into the destination: through the arena block's memfd (sendfile: the kernel
+        writes whole pages, no faults or zeroing here) where the view lies in one, else preadv into it."""
+        from ..arena.host import block_file_at
+
         junk = memoryview(bytearray(2 * PAGE))  # gap bytes between pieces land here (read, never used)
-        flat = {}
-        while (item := next_item()) is not None:
-            if isinstance(item, Segment):
-                iovs = []
-                for p in item.pieces:
-                    raw = flat.get(p.name)
-                    if raw is None:
-                        raw = flat[p.name] = views[p.name].reshape(-1).view(torch.uint8)
-                    iovs.append((p.offset, memoryview(raw[p.dst_offset : p.dst_offset + p.nbytes].numpy()).cast("B")))
-                read_into(fds[item.file], iovs, junk, item.file, item.pieces[0].name)
-                report(item.nbytes)
-            else:
-                src = self.slice_source(item.name, item.piece, item.r0, item.r1)
-                self.dst_rows(views[item.name], item).copy_(src)
-                report(item.nbytes)
+        flat, writers = {}, {}
+        try:
+            while (item := next_item()) is not None:
+                if isinstance(item, Segment):
+                    iovs = []
+                    for p in item.pieces:
+                        raw = flat.get(p.name)
+                        if raw is None:
+                            raw = flat[p.name] = views[p.name].reshape(-1).view(torch.uint8)
+                        dst = raw[p.dst_offset : p.dst_offset + p.nbytes]
+                        where = block_file_at(dst.data_ptr(), p.nbytes) if self._sendfile_ok else None
+                        if where is None or not self._send(fds[item.file], writers, where, p):
+                            iovs.append((p.offset, memoryview(dst.numpy()).cast("B")))
+                    read_into(fds[item.file], iovs, junk, item.file, item.pieces[0].name)
+                    report(item.nbytes)
+                else:
+                    src = self.slice_source(item.name, item.piece, item.r0, item.r1)
+                    self.dst_rows(views[item.name], item).copy_(src)
+                    report(item.nbytes)
+        finally:
+            for w in writers.values():
+                os.close(w)
+
+    def _send(self, src_fd: int, writers: dict[int, int], where: tuple[int, int], p: Piece) -> bool:
+        """sendfile one piece into a block's memfd at its offset; False (and off for good) if refused."""
+        block_fd, offset = where
+        try:
+            w = writers.get(block_fd)
+            if w is None:  # a file description of our own: sendfile writes at its position
+                w = writers[block_fd] = os.open(f"/proc/self/fd/{block_fd}", os.O_WRONLY | os.O_CLOEXEC)
+            os.lseek(w, offset, os.SEEK_SET)
+            done = 0
+            while done < p.nbytes:
+                n = os.sendfile(w, src_fd, p.offset + done, p.nbytes - done)
+                if n == 0:
+                    raise CheckpointError(f"{p.file}: unexpected end of file reading tensor {p.name!r} "
+                                          "(truncated checkpoint?)")
+                done += n
+            return True
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES, errno.ENOENT):
+                log.info("sendfile into the arena refused (%s); reading with preadv", e)
+                self._sendfile_ok = False
+                return False
+            raise CheckpointError(f"{p.file}: read of tensor {p.name!r} failed: {e}") from e
 
 
 class _Progress:
