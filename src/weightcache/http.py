@@ -73,6 +73,9 @@ def _collector(entries: list[DaemonEntry]):
                 "load_done": GaugeMetricFamily("weightcache_load_bytes_done", "bytes loaded so far", labels=labels),
                 "load_total": GaugeMetricFamily("weightcache_load_bytes_total", "bytes to load", labels=labels),
                 "load_s": GaugeMetricFamily("weightcache_load_duration_seconds", "time the load took", labels=labels),
+                "load_rate": GaugeMetricFamily("weightcache_load_bytes_per_second",
+                                               "load rate: so far while loading, over the whole load once ready",
+                                               labels=labels),
                 "start": GaugeMetricFamily("weightcache_start_time_seconds", "unix time the daemon started",
                                            labels=labels),
             }
@@ -93,7 +96,8 @@ def _collector(entries: list[DaemonEntry]):
                     continue
                 for name, value in [("bytes", s.nbytes), ("tensors", s.ntensors), ("blocks", s.nblocks),
                                     ("clients", s.clients_attached), ("load_done", s.done),
-                                    ("load_total", s.total), ("load_s", s.load_seconds), ("start", s.started_at)]:
+                                    ("load_total", s.total), ("load_s", s.load_seconds),
+                                    ("load_rate", s.load_bytes_per_second), ("start", s.started_at)]:
                     g[name].add_metric(lv, float(value))
                 c["attaches"].add_metric(lv, float(s.attaches_served))
                 c["refused"].add_metric(lv, float(getattr(s, "attaches_refused", 0)))

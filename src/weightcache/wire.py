@@ -75,6 +75,7 @@ class DaemonStatus(msgspec.Struct, tag="status_reply", kw_only=True):
     bytes_served: int = 0
     started_at: float
     load_seconds: float = 0.0
+    load_bytes_per_second: float = 0.0  # so far while loading; over the whole load once ready
     peak_device_bytes: int = 0  # device memory in use above the daemon's start, at most, while loading (CUDA)
     attach_seconds_sum: float = 0.0
     attach_seconds_count: int = 0

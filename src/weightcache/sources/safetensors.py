@@ -566,8 +566,9 @@ class _Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, dynamic_ncols=True
+            self.bar = tqdm(  # the rate shown is the average since the start (smoothing=0), in GB/s
+                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, dynamic_ncols=True,
+                smoothing=0,
             )
 
     def update(self, n: int) -> None:
