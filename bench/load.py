@@ -21,7 +21,8 @@ Warm (page cache), methods (--methods):
 
 --sweep runs SafetensorsSource with other options in the same run: "h200" (a grid for one GPU) or specs
 such as "io=register,threads=8,register_mb=256;io=staged,depth=3,streams=3". Keys: io, threads, chunk_mb,
-register_mb, depth, streams, order (file|interleave), hugepages (0|1).
+register_mb, depth, streams, order (file|interleave), hugepages (0|1), sendfile (0: CPU arena filled with preadv
+through its mapping instead of sendfile into its memfd).
 
 Cold (--cold-dir on a real disk, --cold-gb): a second checkpoint is written there, and before each load its
 pages are dropped from the page cache (posix_fadvise DONTNEED per file, else /proc/sys/vm/drop_caches); the
@@ -82,7 +83,7 @@ SWEEP_H200 = [  # (name, options): the old default first, then one change at a t
     "io=register,threads=4,register_mb=4096",
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
-              "order": str, "hugepages": int}
+              "order": str, "hugepages": int, "sendfile": int}
 
 
 def sync(device: torch.device) -> None:
@@ -234,6 +235,8 @@ def run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Ref
     t0 = time.perf_counter()
     src = SafetensorsSource(path, device=device, tp_rank=0, tp_size=args.tp, progress=False,
                             **source_kwargs(opts, args))
+    if not opts.get("sendfile", 1):
+        src._sendfile_ok = False  # the CPU path before sendfile: preadv through the arena's mapping
     arena = ArenaViews(src.describe(), device, not args.no_arena)
     sync(device)
     t1 = time.perf_counter()

@@ -417,13 +417,18 @@ def test_daemon_loads_rank_and_engine_attaches(llama, sockdir):
         daemon.close()
 
 
+CUDA_OPTIONS = [dict(io="auto"), dict(io="mmap"), dict(io="staged"), dict(io="direct"),
+                dict(io="register", register_bytes=8192), dict(io="register", depth=3, streams=3, order="interleave"),
+                dict(io="staged", hugepages=True, depth=3, streams=2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("io", ["auto", "mmap"])
+@pytest.mark.parametrize("opts", CUDA_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_cuda_fill_matches_cpu(llama_sharded, io, dtype):
-    src = SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, device="cuda", io=io,
-                            chunk_bytes=8192, progress=False)
+def test_cuda_fill_matches_cpu(llama_sharded, opts, dtype):
+    src = SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, device="cuda", chunk_bytes=8192,
+                            progress=False, **opts)
     gpu = fill(src, "cuda")
     cpu = fill(SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, progress=False))
     for name, t in cpu.items():
@@ -445,6 +450,19 @@ def test_cuda_user_plan_strided(custom):
     for name, t in tensors.items():
         dim, split = CUSTOM_EXPECT[name] or (None, 1)
         assert torch.equal(v[name].cpu(), expected_shard(t, dim, split, 1, 2)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cuda_fill_with_instanttensor_reader(llama_sharded, tp):
+    pytest.importorskip("instanttensor")
+    src = SafetensorsSource(llama_sharded, tp_rank=tp - 1, tp_size=tp, device="cuda", io="instanttensor",
+                            progress=False)
+    gpu = fill(src, "cuda")
+    cpu = fill(SafetensorsSource(llama_sharded, tp_rank=tp - 1, tp_size=tp, progress=False))
+    for name, t in cpu.items():
+        assert torch.equal(gpu[name].cpu(), t), name
 
 
 def test_packed_shards_match_torch_strided_shard(custom):

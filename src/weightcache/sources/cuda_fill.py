@@ -46,6 +46,11 @@ def _driver():
     return (arena_cuda.cu, arena_cuda) if arena_cuda.cu is not None else (None, None)
 
 
+def _status(result):
+    """The CUresult of a cuda-bindings call (which returns a tuple whose first item is it)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def _err_name(cu, err) -> str:
     try:
         _, name = cu.cuGetErrorName(err)
@@ -90,7 +95,7 @@ class _HugeStaging:
         self.tensor = whole[shift : shift + size]
         self.tensor.fill_(0)  # fault the huge pages in now
         self.ptr = self.tensor.data_ptr()
-        (err,) = cu.cuMemHostRegister(self.ptr, size, _REGISTER_PORTABLE)
+        err = _status(cu.cuMemHostRegister(self.ptr, size, _REGISTER_PORTABLE))
         if err != cu.CUresult.CUDA_SUCCESS:
             self.ptr = 0
             raise RuntimeError(f"cuMemHostRegister of a huge-page staging buffer: {_err_name(cu, err)}")
@@ -311,7 +316,7 @@ class CudaFill:
                 raise CheckpointError(f"{seg.file}: O_DIRECT read of tensor {seg.pieces[0].name!r} failed: {e}") from e
             if n == 0:
                 raise CheckpointError(f"{seg.file}: unexpected end of file reading tensor {seg.pieces[0].name!r} "
-                                 "(truncated checkpoint?)")
+                                      "(truncated checkpoint?)")
             done += n
 
     def _register(self, seg: Segment, slot: _Slot) -> bool:
@@ -320,7 +325,7 @@ class CudaFill:
         fm = self.maps[seg.file]
         p0, p1 = seg.page_range()
         ptr = fm.addr + p0
-        (err,) = cu.cuMemHostRegister(ptr, p1 - p0, _REGISTER_READ_ONLY)
+        err = _status(cu.cuMemHostRegister(ptr, p1 - p0, _REGISTER_READ_ONLY))
         if err != cu.CUresult.CUDA_SUCCESS:
             with self._modes_lock:
                 if self.modes.get(seg.file) == "register":
@@ -331,11 +336,11 @@ class CudaFill:
         try:
             stream = cu.CUstream(slot.stream.cuda_stream)
             for p in seg.pieces:
-                (err,) = cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self.ptrs[p.name] + p.dst_offset), fm.addr + p.offset,
-                                              p.nbytes, stream)
+                err = _status(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self.ptrs[p.name] + p.dst_offset),
+                                                   fm.addr + p.offset, p.nbytes, stream))
                 if err != cu.CUresult.CUDA_SUCCESS:
                     raise CheckpointError(f"{seg.file}: copy of tensor {p.name!r} to the device failed: "
-                                     f"{_err_name(cu, err)}")
+                                          f"{_err_name(cu, err)}")
             slot.event.record(slot.stream)
         except BaseException:
             slot.stream.synchronize()
