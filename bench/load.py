@@ -2,8 +2,8 @@
 and safetensors, in one run.
 
 Writes a random bf16 Llama-shaped checkpoint (shards of --shard-gb) into --dir (tmpfs: /dev/shm), reads it
-once to warm the page cache, then loads it into device memory with each method, --runs times, and prints GB,
-seconds and GB/s (best run; first and median in the JSON). Every load is checked tensor by tensor against
+once to warm the page cache, then loads it into device memory with each method, --runs rounds (each round
+runs every method once), and prints GB, seconds and GB/s (best run; first and median in the JSON). Every load is checked tensor by tensor against
 what safetensors reads (--verify all), on the device.
 
 Warm (page cache), methods (--methods):
@@ -371,25 +371,35 @@ def importable(module: str) -> str:
         return f"not importable: {type(e).__name__}: {e}"
 
 
-def measure(name: str, group: str, runner, runs: int, device: torch.device, results: list, opts=None,
-            before=None) -> None:
-    out = []
-    try:
-        for _ in range(runs):
-            extra = before() if before else {}
-            r = runner()
-            r.update(extra)
-            out.append(r)
+def measure_rounds(cases: list[tuple], runs: int, device: torch.device, results: list, before=None) -> None:
+    """Run each case once per round, round after round (so that a machine's slow moments hit every method
+    alike); a case that fails is a row with its error and leaves the later rounds. cases: (name, group,
+    runner, options)."""
+    out: dict[str, list[dict]] = {c[0]: [] for c in cases}
+    failed: dict[str, str] = {}
+    for k in range(runs):
+        if runs > 1:
+            print(f" round {k + 1}/{runs}")
+        for name, _, runner, _ in cases:
+            if name in failed:
+                continue
+            try:
+                extra = before() if before else {}
+                r = runner()
+                r.update(extra)
+                out[name].append(r)
+                cached = f"  (cached before: {r['resident_before']:.0%})" if "resident_before" in r else ""
+                print(f"  {name:<44} {r['bytes'] / 1e9:7.2f} GB {r['seconds']:7.3f} s "
+                      f"{r['bytes'] / 1e9 / r['seconds']:6.1f} GB/s{cached}")
+            except Exception as e:  # noqa: BLE001 - a failing method is a row, not the end of the run
+                failed[name] = f"{type(e).__name__}: {e}"
+                print(f"  {name:<44} ERROR {failed[name]}")
             free(device)
-    except Exception as e:  # noqa: BLE001 - a failing method is a row, not the end of the run
-        results.append({"method": name, "group": group, "error": f"{type(e).__name__}: {e}", "options": opts})
-        print(f"  {name:<44} ERROR {type(e).__name__}: {e}")
-        free(device)
-        return
-    res = summarize(name, out, group, opts)
-    results.append(res)
-    extra = f"  (cached before: {res['resident_before']:.0%})" if "resident_before" in res else ""
-    print(f"  {name:<44} {res['gb']:7.2f} GB {res['seconds']:7.3f} s {res['gb_per_s']:6.1f} GB/s{extra}")
+    for name, group, _, opts in cases:
+        if name in failed:
+            results.append({"method": name, "group": group, "error": failed[name], "options": opts})
+        else:
+            results.append(summarize(name, out[name], group, opts))
 
 
 def print_table(results: list[dict]) -> None:
@@ -525,6 +535,7 @@ def main(argv=None) -> int:
         return ""
 
     print(f"\nwarm: {path} ({nbytes / 1e9:.2f} GB in {len(files)} files) -> {device}")
+    cases = []
     for m in methods:
         run = runner_for(m, path, files, ref)
         if run is None:
@@ -534,11 +545,11 @@ def main(argv=None) -> int:
             results.append({"method": m, "group": "warm", "skipped": why})
             print(f"  {m:<44} skipped: {why}")
             continue
-        measure(m, "warm", run, args.runs, device, results)
+        cases.append((m, "warm", run, None))
     for opts in sweep:
         name = "wc[" + " ".join(f"{k}={v}" for k, v in opts.items()) + "]"
-        measure(name, "warm", lambda o=opts: run_weightcache(path, device, args, o, ref), args.runs, device,
-                results, opts)
+        cases.append((name, "warm", lambda o=opts: run_weightcache(path, device, args, o, ref), opts))
+    measure_rounds(cases, args.runs, device, results)
     if ref is not None:
         ref.tensors.clear()
         free(device)
@@ -557,16 +568,18 @@ def main(argv=None) -> int:
             d = drop_page_cache(cfiles)
             return {"resident_before": max(resident_fraction(f) for f in cfiles), "dropped_by": d["dropped_by"]}
 
+        cases = []
         for m in [m.strip() for m in args.cold_methods.split(",") if m.strip()]:
             run = runner_for(m, cpath, cfiles, cref)
             why = "unknown method" if run is None else skip_reason(m)
             if why:
                 results.append({"method": m, "group": "cold", "skipped": why})
                 continue
-            measure(m, "cold", run, args.cold_runs, device, results, before=before)
+            cases.append((m, "cold", run, None))
+        measure_rounds(cases, args.cold_runs, device, results, before=before)
         warm_page_cache(cfiles)
-        measure("weightcache", "disk-warm", runner_for("weightcache", cpath, cfiles, cref), args.runs, device,
-                results)
+        measure_rounds([("weightcache", "disk-warm", runner_for("weightcache", cpath, cfiles, cref), None)],
+                       args.runs, device, results)
         if cref is not None:
             cref.tensors.clear()
             free(device)
