@@ -91,10 +91,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+KEEP_PINNED = False  # --keep-pinned
+
+
 def free(device: torch.device) -> None:
+    """Between runs: what a run allocated goes back, pinned host memory cached by torch too (each daemon is a
+    fresh process that pays for its staging buffers; InstantTensor and fastsafetensors allocate theirs per
+    call), unless --keep-pinned."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if not KEEP_PINNED:
+            for owner, name in ((getattr(torch, "accelerator", None), "empty_host_cache"),
+                                (torch._C, "_host_emptyCache"), (torch._C, "_accelerator_emptyHostCache")):
+                fn = getattr(owner, name, None)
+                if fn is not None:
+                    fn()
+                    break
 
 
 def make_checkpoint(root: str, size_gb: float, shard_gb: float, rewrite: bool) -> Path:
@@ -247,8 +260,10 @@ def run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Ref
         checked = ref.check(arena.views, "weightcache", args.verify) if ref is not None else 0
     finally:
         arena.close()
+    modes = sorted(set(src.last_modes.values()))
     return {"bytes": src.nbytes, "seconds": t2 - t0, "fill_seconds": t2 - t1, "buffers": arena.kind,
-            "verified": checked, "io": src.io}
+            "verified": checked, "io": src.io, "modes": src.last_modes,
+            "read_as": "+".join(modes) if modes else "slices"}
 
 
 def run_instanttensor(files: list[Path], device: torch.device, args, ref: Reference | None, copy: bool) -> dict:
@@ -408,21 +423,22 @@ def measure_rounds(cases: list[tuple], runs: int, device: torch.device, results:
 
 def print_table(results: list[dict]) -> None:
     print()
-    print(f"{'group':<8} {'method':<46} {'GB':>7} {'seconds':>8} {'GB/s':>6} {'median':>6} {'fill GB/s':>9}  notes")
+    print(f"{'group':<8} {'method':<46} {'GB':>7} {'seconds':>8} {'GB/s':>6} {'median':>6} {'first':>6} "
+          f"{'fill GB/s':>9}  notes")
     for r in results:
         if "gb" in r:
             note = r.get("note") or ""
             if "buffers" in r:
-                note = f"{r['buffers']}, io={r['io']}, verified {r['verified']} tensors"
+                note = f"{r['buffers']}, io={r['io']} (read as {r['read_as']}), verified {r['verified']} tensors"
             elif r.get("verified"):
                 note += f"; verified {r['verified']} tensors"
             if "resident_before" in r:
                 note += f"; cached before: {r['resident_before']:.0%}"
             fill = f"{r['fill_gb_per_s']:9.1f}" if "fill_gb_per_s" in r else f"{'':>9}"
             print(f"{r['group']:<8} {r['method']:<46} {r['gb']:7.2f} {r['seconds']:8.3f} {r['gb_per_s']:6.1f} "
-                  f"{r['gb_per_s_median']:6.1f} {fill}  {note}")
+                  f"{r['gb_per_s_median']:6.1f} {r['gb'] / r['seconds_first']:6.1f} {fill}  {note}")
         else:
-            print(f"{r['group']:<8} {r['method']:<46} {'-':>7} {'-':>8} {'-':>6} {'-':>6} {'-':>9}  "
+            print(f"{r['group']:<8} {r['method']:<46} {'-':>7} {'-':>8} {'-':>6} {'-':>6} {'-':>6} {'-':>9}  "
                   f"{r.get('skipped') or r.get('error')}")
 
 
@@ -471,6 +487,8 @@ def main(argv=None) -> int:
                                              "fastsafetensors")
     p.add_argument("--cold-runs", type=int, default=1)
     p.add_argument("--no-arena", action="store_true", help="fill torch.empty buffers instead of the arena")
+    p.add_argument("--keep-pinned", action="store_true",
+                   help="keep torch's cached pinned host memory between runs (staging buffers then come free)")
     p.add_argument("--verify", default="all", help="'all', a number of tensors (largest first), or 0")
     p.add_argument("--rewrite", action="store_true", help="write the checkpoints again even if present")
     p.add_argument("--cleanup", action="store_true", help="delete the checkpoints afterwards")
@@ -482,6 +500,8 @@ def main(argv=None) -> int:
     if args.size_gb is None:
         args.size_gb = 16.0 if device.type == "cuda" else 0.5
     args.verify = None if args.verify == "all" else int(args.verify)
+    global KEEP_PINNED
+    KEEP_PINNED = args.keep_pinned
     if args.methods is None:
         args.methods = ("weightcache,weightcache-staged,weightcache-register,weightcache-instanttensor,instanttensor,"
                         "instanttensor-view,fastsafetensors,safetensors,h2d" if device.type == "cuda" else

@@ -216,6 +216,7 @@ class CudaFill:
             self.fds = fds
             run_workers(self.src.threads, self.items, self._worker)
         finally:
+            self.src.last_modes = {f.name: m for f, m in self.modes.items()}
             for fd in [*fds.values(), *self.direct_fds.values()]:
                 os.close(fd)
             for m in self.maps.values():

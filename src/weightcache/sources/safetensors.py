@@ -304,6 +304,7 @@ class SafetensorsSource:
         self._handles: dict[Path, object] = {}
         self._handles_lock = threading.Lock()
         self._sendfile_ok = hasattr(os, "sendfile")
+        self.last_modes: dict[str, str] = {}  # file name -> how the last fill read it (diagnostics, benchmarks)
 
     # -- Source protocol --------------------------------------------------------------------------
 
@@ -350,12 +351,15 @@ class SafetensorsSource:
                 from .instanttensor import fill_with_instanttensor
 
                 fill_with_instanttensor(self, views, report)
+                self.last_modes = {f.name: "instanttensor" for f in {p.file for p in pieces}}
             elif cuda:
                 from .cuda_fill import CudaFill
 
                 CudaFill(self, views, pieces, slices, report).run()
             else:
                 self._run_cpu(views, self.work_items(pieces, slices, lambda f: self.chunk_bytes), report)
+                how = "sendfile" if self._sendfile_ok else "preadv"
+                self.last_modes = {f.name: how for f in {p.file for p in pieces}}
         finally:
             meter.close()
 
