@@ -351,7 +351,7 @@ class SafetensorsSource:
                 from .instanttensor import fill_with_instanttensor
 
                 fill_with_instanttensor(self, views, report)
-                self.last_modes = {f.name: "instanttensor" for f in {p.file for p in pieces}}
+                self.last_modes = {f.name: "instanttensor" for f in {t.entry.file for t in self.tensors.values()}}
             elif cuda:
                 from .cuda_fill import CudaFill
 
