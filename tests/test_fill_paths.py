@@ -367,6 +367,15 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
                for r in caplog.records)
 
 
+def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeypatch):
+    def broken(*a):
+        raise TypeError("argument 'hStream' has an unexpected type")
+
+    monkeypatch.setattr(fake_cuda, "cuMemcpyHtoDAsync", broken)
+    fill = cuda_fill_run(ckpt, 1, io="register", threads=2, chunk_bytes=2 * PAGE, register_bytes=8 * PAGE)
+    assert set(fill.modes.values()) == {"staged"} and fake_cuda.live == {}
+
+
 def test_cuda_fill_huge_page_staging(ckpt, fake_cuda):
     cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE)
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released

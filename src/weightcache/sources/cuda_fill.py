@@ -321,19 +321,19 @@ class CudaFill:
             done += n
 
     def _register(self, seg: Segment, slot: _Slot) -> bool:
-        """Copy from the page-locked page-cache pages of the segment; False if the driver refused."""
+        """Copy from the page-locked page-cache pages of the segment; False if the driver refused (or the
+        bindings failed before any copy was queued): the caller stages the segment instead."""
         cu = self.cu
         fm = self.maps[seg.file]
         p0, p1 = seg.page_range()
         ptr = fm.addr + p0
-        err = _status(cu.cuMemHostRegister(ptr, p1 - p0, _REGISTER_READ_ONLY))
+        try:
+            err = _status(cu.cuMemHostRegister(ptr, p1 - p0, _REGISTER_READ_ONLY))
+        except Exception as e:  # noqa: BLE001 - an unexpected bindings API: the plain path still works
+            return self._refused(seg, f"{type(e).__name__}: {e}")
         if err != cu.CUresult.CUDA_SUCCESS:
-            with self._modes_lock:
-                if self.modes.get(seg.file) == "register":
-                    self.modes[seg.file] = "staged"
-                    log.warning("cannot register %s for DMA (cuMemHostRegister: %s); copying it through staging "
-                                "buffers", seg.file.name, _err_name(cu, err))
-            return False
+            return self._refused(seg, f"cuMemHostRegister: {_err_name(cu, err)}")
+        queued = 0
         try:
             stream = cu.CUstream(slot.stream.cuda_stream)
             for p in seg.pieces:
@@ -342,14 +342,24 @@ class CudaFill:
                 if err != cu.CUresult.CUDA_SUCCESS:
                     raise CheckpointError(f"{seg.file}: copy of tensor {p.name!r} to the device failed: "
                                           f"{_err_name(cu, err)}")
+                queued += 1
             slot.event.record(slot.stream)
-        except BaseException:
+        except BaseException as e:
             slot.stream.synchronize()
             cu.cuMemHostUnregister(ptr)
+            if queued == 0 and isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                return self._refused(seg, f"{type(e).__name__}: {e}")
             raise
         slot.bytes = seg.nbytes
         slot.release = lambda: cu.cuMemHostUnregister(ptr)
         return True
+
+    def _refused(self, seg: Segment, why: str) -> bool:
+        with self._modes_lock:
+            if self.modes.get(seg.file) == "register":
+                self.modes[seg.file] = "staged"
+                log.warning("cannot register %s for DMA (%s); copying it through staging buffers", seg.file.name, why)
+        return False
 
     def _slice(self, job, slot: _Slot) -> None:
         dst = self.views[job.name]
