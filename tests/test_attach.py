@@ -409,9 +409,16 @@ def test_attach_waits_while_loading_then_gets_weights(sockdir):
         assert src.halfway.wait(10)
         st = wc.query_status(_sock(sockdir))
         assert st.state == "loading" and st.done == 2048 and st.total == 4096
+        assert st.load_bytes_per_second > 0
+        from weightcache.status_table import collect
+
+        assert [r["state"] for r in collect(sockdir)] == [
+            f"loading 50% {wc.query_status(_sock(sockdir)).load_bytes_per_second / 1e9:.2f} GB/s"]
         threading.Timer(0.3, src.release.set).start()
         with wc.attach(_sock(sockdir), wait=10.0) as att:
             assert att["w"].sum().item() == 512 * 1.0 + 512 * 2.0
+        st = daemon.status()
+        assert st.load_bytes_per_second == pytest.approx(4096 / st.load_seconds)
     finally:
         src.release.set()
         loader.join()

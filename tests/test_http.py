@@ -21,7 +21,7 @@ def status(rank: int, state: str = "ready", **kw) -> DaemonStatus:
     key = CacheKey(model="tiny-llama", content_digest="sha256:aa", rank=rank, layout="dp1-pp1-tp2")
     fields = dict(state=state, key=key, device="cpu", pid=100 + rank, started_at=1000.0, nbytes=4096,
                   ntensors=12, nblocks=1, clients_attached=2, attaches_served=5, bytes_served=20480,
-                  load_seconds=0.25, attach_seconds_sum=0.004, attach_seconds_count=5,
+                  load_seconds=0.25, load_bytes_per_second=16384.0, attach_seconds_sum=0.004, attach_seconds_count=5,
                   attach_seconds_buckets=[0, 3, 4] + [5] * (len(ATTACH_BUCKETS) - 3))
     fields.update(kw)
     return DaemonStatus(**fields)
@@ -68,6 +68,7 @@ def test_metrics_are_prometheus_text():
     assert by[("weightcache_clients_attached", "main", "0", None)] == 2
     assert by[("weightcache_attaches_total", "main", "1", None)] == 5
     assert by[("weightcache_load_duration_seconds", "main", "0", None)] == 0.25
+    assert by[("weightcache_load_bytes_per_second", "main", "0", None)] == 16384.0
     assert by[("weightcache_daemon_up", "draft", "0", None)] == 0
     assert by[("weightcache_daemon_ready", "main", "0", None)] == 1
     assert by[("weightcache_attach_seconds_bucket", "main", "0", "0.001")] == 3

@@ -283,7 +283,11 @@ def test_packed_indivisible_is_refused(custom):
         (dict(tp_size=0), ValueError, "tp_size"),
         (dict(tp_size=2, tp_rank=2), ValueError, "tp_rank"),
         (dict(dtype="bf16"), TypeError, "dtype"),
-        (dict(io="direct"), ValueError, "io must be"),
+        (dict(io="bogus"), ValueError, "io must be one of"),
+        (dict(chunk_bytes=5000), ValueError, "chunk_bytes must be a positive multiple of 4096"),
+        (dict(depth=0), ValueError, "depth must be"),
+        (dict(streams=3, depth=2), ValueError, r"streams must be in \[1, depth=2\]"),
+        (dict(order="random"), ValueError, "order must be"),
         (dict(threads=0), ValueError, "threads"),
         (dict(tp_size=2, tp_plan={"model.x": "diagonal"}), TPPlanError, "unknown style"),
         (dict(tp_size=2, tp_plan=42), TPPlanError, "tp_plan must be"),
@@ -416,13 +420,18 @@ def test_daemon_loads_rank_and_engine_attaches(llama, sockdir):
         daemon.close()
 
 
+CUDA_OPTIONS = [dict(io="auto"), dict(io="mmap"), dict(io="staged"), dict(io="direct"),
+                dict(io="register", register_bytes=8192), dict(io="register", depth=3, streams=3, order="interleave"),
+                dict(io="staged", hugepages=True, depth=3, streams=2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("io", ["auto", "mmap"])
+@pytest.mark.parametrize("opts", CUDA_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_cuda_fill_matches_cpu(llama_sharded, io, dtype):
-    src = SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, device="cuda", io=io,
-                            chunk_bytes=8192, progress=False)
+def test_cuda_fill_matches_cpu(llama_sharded, opts, dtype):
+    src = SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, device="cuda", chunk_bytes=8192,
+                            progress=False, **opts)
     gpu = fill(src, "cuda")
     cpu = fill(SafetensorsSource(llama_sharded, tp_rank=1, tp_size=2, dtype=dtype, progress=False))
     for name, t in cpu.items():
@@ -444,6 +453,19 @@ def test_cuda_user_plan_strided(custom):
     for name, t in tensors.items():
         dim, split = CUSTOM_EXPECT[name] or (None, 1)
         assert torch.equal(v[name].cpu(), expected_shard(t, dim, split, 1, 2)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cuda_fill_with_instanttensor_reader(llama_sharded, tp):
+    pytest.importorskip("instanttensor")
+    src = SafetensorsSource(llama_sharded, tp_rank=tp - 1, tp_size=tp, device="cuda", io="instanttensor",
+                            progress=False)
+    gpu = fill(src, "cuda")
+    cpu = fill(SafetensorsSource(llama_sharded, tp_rank=tp - 1, tp_size=tp, progress=False))
+    for name, t in cpu.items():
+        assert torch.equal(gpu[name].cpu(), t), name
 
 
 def test_packed_shards_match_torch_strided_shard(custom):
@@ -468,9 +490,15 @@ def test_load_bench_runs_on_cpu(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "load.json"
     assert bench.main(["--device", "cpu", "--size-gb", "0.004", "--shard-gb", "0.001", "--dir", str(tmp_path),
-                       "--runs", "1", "--tp", "2", "--out", str(out)]) == 0
-    res = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-    for m in ("weightcache", "weightcache-mmap"):
-        assert res[m]["verified"] == 4 and res[m]["gb_per_s"] > 0
+                       "--runs", "1", "--tp", "2", "--out", str(out), "--sweep", "io=staged,threads=1,chunk_mb=1",
+                       "--methods", "weightcache,weightcache-mmap,safetensors,instanttensor,memcpy-fresh"]) == 0
+    info = json.loads(out.read_text())
+    res = {r["method"]: r for r in info["results"]}
+    ntensors = len(SafetensorsSource(info["checkpoint"]["path"], progress=False).tensors)
+    for m in ("weightcache", "weightcache-mmap", "wc[io=staged threads=1 chunk_mb=1]"):
+        assert res[m]["verified"] == ntensors and res[m]["gb_per_s"] > 0 and res[m]["buffers"] == "arena"
     assert res["weightcache"]["bytes"] == res["weightcache-mmap"]["bytes"]
     assert "skipped" in res["safetensors"]  # whole tensors only; tp=2 asked
+    assert res["instanttensor"]["skipped"] == "CUDA only"
+    assert res["memcpy-fresh"]["gb_per_s"] > 0
+    assert info["summary"]["fastest_weightcache"]["gb_per_s"] > 0

@@ -396,7 +396,9 @@ def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch
                      custodian=False)
     try:
         sup.start()
-        assert "weightcache READY node 0/1: 1 rank(s) x 1 role(s)" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "weightcache READY node 0/1: 1 rank(s) x 1 role(s)" in out
+        assert re.search(r" loaded in \d+\.\d s \(\d+\.\d\d GB/s\), sockets in ", out), out
         (child,) = sup.children
         os.kill(child.proc.pid, signal.SIGKILL)
         assert sup.hold() == 128 + signal.SIGKILL

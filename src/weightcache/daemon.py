@@ -108,6 +108,7 @@ class Daemon:
         self._started_at = time.time()
         self._done = self._total = 0
         self._load_seconds = 0.0
+        self._load_t0 = 0.0  # time.monotonic() when the load began
         self._counters = {"clients_attached": 0, "attaches_served": 0, "attaches_refused": 0, "bytes_served": 0}
         self._attach_sum = 0.0
         self._attach_count = 0
@@ -151,6 +152,14 @@ class Daemon:
         with self._lock:
             self._done += nbytes
 
+    def _load_rate(self) -> float:
+        """Bytes per second: so far while loading, over the whole load once ready."""
+        if self._load_seconds > 0:
+            return self._done / self._load_seconds
+        if self._load_t0 and self.state == "loading":
+            return self._done / max(time.monotonic() - self._load_t0, 1e-6)
+        return 0.0
+
     def _allocate(self, manifest: Manifest) -> list[torch.Tensor]:
         blocks = []
         try:
@@ -179,9 +188,10 @@ class Daemon:
         self.state = "ready"
         self._ready_seconds = time.monotonic() - self._started_mono
         log.info(
-            "ready: %d tensors, %.2f GiB in %d block(s) on %s, %s in %.3f s",
+            "ready: %d tensors, %.2f GiB in %d block(s) on %s, %s in %.3f s%s",
             len(manifest.tensors), manifest.nbytes / 2**30, len(manifest.blocks), self.device,
             "taken over from the custodian (no load)" if self.adopted else "loaded", self._load_seconds,
+            "" if self.adopted else f" ({self._load_rate() / 1e9:.2f} GB/s)",
         )
 
     # ---- the custodian: the cache outlives this daemon --------------------------------------------------
@@ -270,7 +280,7 @@ class Daemon:
 
     def load(self, source) -> None:
         """Plan from the source's description, allocate the arena, let the source fill it in place."""
-        t0 = time.monotonic()
+        t0 = self._load_t0 = time.monotonic()
         try:
             manifest = plan_for_metas(source.describe(), self.block_bytes)
             self._total = sum(s.nbytes for s in manifest.storages)
@@ -290,7 +300,7 @@ class Daemon:
         allocated one at a time, each filled from the source storages and then those storages are freed
         (resized to 0 bytes, whoever else still refers to them), so the peak stays near 1x the weights plus
         one block (``capture_block_bytes``)."""
-        t0 = time.monotonic()
+        t0 = self._load_t0 = time.monotonic()
         try:
             manifest, spans = plan_for_tensors(tensors, roles, self.block_bytes, consume=consume)
             self._total = sum(end - start for _, start, end in spans)
@@ -424,7 +434,7 @@ class Daemon:
                 nbytes=m.nbytes if m else 0, ntensors=len(m.tensors) if m else 0, nblocks=len(m.blocks) if m else 0,
                 started_at=self._started_at, load_seconds=self._load_seconds,
                 peak_device_bytes=self._peak_device_bytes, adopted=self.adopted, held=self.held,
-                ready_seconds=self._ready_seconds,
+                ready_seconds=self._ready_seconds, load_bytes_per_second=self._load_rate(),
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
                 attach_seconds_buckets=cumulative, info=self.info, **self._counters,
             )

@@ -76,6 +76,9 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
                 "load_done": GaugeMetricFamily("weightcache_load_bytes_done", "bytes loaded so far", labels=labels),
                 "load_total": GaugeMetricFamily("weightcache_load_bytes_total", "bytes to load", labels=labels),
                 "load_s": GaugeMetricFamily("weightcache_load_duration_seconds", "time the load took", labels=labels),
+                "load_rate": GaugeMetricFamily("weightcache_load_bytes_per_second",
+                                               "load rate: so far while loading, over the whole load once ready",
+                                               labels=labels),
                 "start": GaugeMetricFamily("weightcache_start_time_seconds", "unix time the daemon started",
                                            labels=labels),
                 "adopted": GaugeMetricFamily("weightcache_daemon_adopted", "1 if the daemon took its weights from "
@@ -103,7 +106,8 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
                     continue
                 for name, value in [("bytes", s.nbytes), ("tensors", s.ntensors), ("blocks", s.nblocks),
                                     ("clients", s.clients_attached), ("load_done", s.done),
-                                    ("load_total", s.total), ("load_s", s.load_seconds), ("start", s.started_at)]:
+                                    ("load_total", s.total), ("load_s", s.load_seconds),
+                                    ("load_rate", s.load_bytes_per_second), ("start", s.started_at)]:
                     g[name].add_metric(lv, float(value))
                 g["adopted"].add_metric(lv, 1.0 if getattr(s, "adopted", False) else 0.0)
                 g["held"].add_metric(lv, 1.0 if getattr(s, "held", False) else 0.0)

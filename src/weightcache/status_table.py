@@ -48,6 +48,8 @@ def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
                        status=msgspec.to_builtins(st))
             if st.state == "loading" and st.total:
                 row["state"] = f"loading {100.0 * st.done / st.total:.0f}%"
+                if st.load_bytes_per_second:
+                    row["state"] += f" {st.load_bytes_per_second / 1e9:.2f} GB/s"
         rows.append(row)
     rows.sort(key=lambda r: (r["role"] != "main", r["role"], r["rank"] if r["rank"] is not None else -1,
                              r["socket"]))

@@ -856,8 +856,10 @@ class Supervisor:
         per_role = {len(g.layout.local_placements()) for g in self.groups}
         ranks = per_role.pop() if len(per_role) == 1 else "/".join(
             str(len(g.layout.local_placements())) for g in self.groups)
+        seconds = max((float(c.ready_info.get("load_seconds", 0)) for c in self.children), default=0.0)
+        loaded = f" loaded in {seconds:.1f} s ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
         line = (f"weightcache READY node {self.node_rank}/{self.nnodes}: {ranks} rank(s) x {len(self.groups)} "
-                f"role(s) [{'; '.join(parts)}], {human_bytes(nbytes)}, sockets in {self.socket_dir}")
+                f"role(s) [{'; '.join(parts)}], {human_bytes(nbytes)}{loaded}, sockets in {self.socket_dir}")
         if self.http is not None:
             line += f", health http://{self.health_host}:{self.http.port}/health"
         print(line, file=self.ready_stream or sys.stdout, flush=True)

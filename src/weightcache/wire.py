@@ -77,6 +77,7 @@ class DaemonStatus(msgspec.Struct, tag="status_reply", kw_only=True):
     bytes_served: int = 0
     started_at: float
     load_seconds: float = 0.0
+    load_bytes_per_second: float = 0.0  # so far while loading; over the whole load once ready
     peak_device_bytes: int = 0  # device memory in use above the daemon's start, at most, while loading (CUDA)
     adopted: bool = False  # taken over from the custodian: no load
     held: bool = False  # the custodian holds a copy: the cache outlives this daemon

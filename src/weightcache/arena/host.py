@@ -7,6 +7,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import warnings
 
 import torch
@@ -17,6 +18,19 @@ log = logging.getLogger("weightcache.arena")
 
 PAGE = mmap.PAGESIZE
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
+
+_live: dict[int, tuple[int, int]] = {}  # address of a live block's mapping -> (size, memfd)
+_live_lock = threading.Lock()
+
+
+def block_file_at(ptr: int, nbytes: int) -> tuple[int, int] | None:
+    """(memfd, offset) of the live block whose mapping holds [ptr, ptr + nbytes), else None. Writing through
+    the file fills pages without faulting and zeroing them in this process (a loader's fast path)."""
+    with _live_lock:
+        for base, (size, fd) in _live.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                return fd, ptr - base
+    return None
 
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
@@ -74,6 +88,9 @@ class HostBlock:
             raise
         self._mm = None  # the read-only mapping, once sealed
         self.tensor = _tensor_over(self._writable)
+        self._addr = self.tensor.data_ptr()
+        with _live_lock:
+            _live[self._addr] = (self.nbytes, self.fd)
 
     def seal(self) -> None:
         """After the fill no one may write the block again, the daemon included, nor an engine that reopens
@@ -82,6 +99,7 @@ class HostBlock:
         future write), shrinking and growing, and further seals."""
         if self._writable is None:
             return  # sealed already
+        self._forget()  # no more writes through the file either
         ro = self.export_fd(True)  # a shared mapping of a read-write fd could be made writable again
         try:
             self._mm = mmap.mmap(ro, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -104,7 +122,18 @@ class HostBlock:
         anyone: engines that ask for writable tensors (readonly=False) map it privately (copy-on-write)."""
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def _forget(self) -> None:
+        with _live_lock:
+            _live.pop(getattr(self, "_addr", None), None)
+
+    def __del__(self):
+        try:
+            self._forget()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def close(self) -> None:
+        self._forget()
         self.tensor = None
         self._mm = self._writable = None  # unmapped when the last view dies
         if self.fd >= 0:

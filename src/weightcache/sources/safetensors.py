@@ -1,14 +1,19 @@
 """Fill an arena from a Hugging Face safetensors checkpoint, sharded for one tensor-parallel rank.
 
 Reads single-file and sharded (``*.safetensors.index.json``) checkpoints. A rank reads only its bytes:
-contiguous shards (whole tensors, dim-0 splits) are read with ``preadv`` straight into the destination
-(CPU) or into pinned staging buffers that several worker threads copy to the GPU on their own CUDA
-streams while they read the next chunk; other shards (last-dim splits, dtype casts) are copied from
-``safe_open`` slices over the file's mmap. File reads and tensor copies release the GIL.
+contiguous shards (whole tensors, dim-0 splits) are grouped into segments of the files (read_plan.py). Into
+CPU memory, a segment is one ``preadv`` straight into the destination tensors. Into CUDA memory
+(cuda_fill.py), worker threads either page-lock the file's page-cache pages of a segment and let the GPU
+copy from them (``register``), or read the segment into pinned staging buffers, through the page cache
+(``staged``) or around it with O_DIRECT (``direct``), several copies in flight per thread. ``auto`` picks per
+file: ``register`` for a file in the page cache, ``direct`` for one that is not. Other shards (last-dim
+splits, dtype casts) are copied from ``safe_open`` slices over the file's mmap. File reads and copies
+release the GIL.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -23,16 +28,21 @@ from pathlib import Path
 
 import torch
 
-from ..errors import WeightCacheError
 from ..key import dtype_name
 from ..manifest import TensorMeta
+from .read_plan import PAGE, Piece, Segment, order_segments, plan_segments
+from .reading import CheckpointError, read_into, run_workers
 from .tp_plan import ShardSpec, TPPlan, TPPlanError, resolve_plan
 
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100 << 20
-DEFAULT_CHUNK_BYTES = 64 << 20  # per staging buffer, two per thread
+DEFAULT_CHUNK_BYTES = 64 << 20  # per staging buffer and read (segment), `depth` buffers per thread
+DEFAULT_REGISTER_BYTES = 128 << 20  # per page-locked range of a file (io="register")
 DEFAULT_THREADS = 16
+DEFAULT_DEPTH = 2  # copies in flight per thread
+IO_MODES = ("auto", "staged", "register", "direct", "mmap", "instanttensor")
+IO_ENV = "WEIGHTCACHE_LOAD_IO"  # the default io mode of a source made without one (e.g. in preload's daemons)
 INDEX_NAME = "model.safetensors.index.json"
 
 _ST_DTYPES = {
@@ -54,10 +64,6 @@ _ST_DTYPES = {
     "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64",
 }
-
-
-class CheckpointError(WeightCacheError, ValueError):
-    """A missing, unreadable or malformed checkpoint file or tensor."""
 
 
 def _torch_dtype(code: str, file: Path, name: str) -> torch.dtype:
@@ -197,15 +203,13 @@ class _Tensor:
 
 
 @dataclass
-class _Job:
-    """One unit of work: a contiguous read, or a row block of a slice copy."""
+class SliceJob:
+    """A row block of a slice copy: rows [r0, r1) along dim 0 of one packed part (``piece``) of a shard."""
 
     name: str
     nbytes: int  # bytes landing in the destination
     file: Path
-    offset: int = 0  # contiguous: file offset
-    dst_offset: int = 0  # contiguous: byte offset in the destination
-    piece: int = -1  # slice copy: which packed part; rows [r0, r1) along dim 0 of that part
+    piece: int = 0
     r0: int = 0
     r1: int = 0
 
@@ -215,8 +219,22 @@ class SafetensorsSource:
 
     ``tp_plan``: None/"auto" (transformers' plan for the checkpoint's architecture), "none", a dict of
     pattern -> style (transformers' names; full or base-model-relative patterns), or a TPPlan.
-    ``dtype`` casts floating-point tensors. ``io="mmap"`` copies every tensor from the mmap instead of
-    reading contiguous shards with ``preadv``.
+    ``dtype`` casts floating-point tensors.
+
+    How bytes reach the destination (``io``; default: $WEIGHTCACHE_LOAD_IO, else "auto"):
+
+    * ``auto``: into CPU memory, ``preadv`` into the destination; into CUDA memory, per file, ``register``
+      when the file is in the page cache and ``direct`` when it is not
+    * ``register`` (CUDA): page-lock the page-cache pages of each ``register_bytes`` range (read-only
+      cuMemHostRegister) and copy from them; falls back to ``staged`` where the driver refuses
+    * ``staged`` (CUDA): ``preadv`` into pinned staging buffers of ``chunk_bytes``, then copy
+    * ``direct`` (CUDA): as ``staged`` with O_DIRECT reads (around the page cache: cold files)
+    * ``mmap``: copy every tensor from the safetensors mmap slices
+    * ``instanttensor`` (CUDA, optional extra): InstantTensor reads, weightcache copies into the views
+
+    ``threads`` workers, each with ``depth`` copies in flight on ``streams`` CUDA streams (1..depth);
+    ``order`` "file" or "interleave" (round robin over the files); ``hugepages`` puts staging buffers in
+    transparent huge pages (registered with CUDA) instead of torch's pinned memory.
     """
 
     def __init__(
@@ -231,8 +249,13 @@ class SafetensorsSource:
         threads: int | None = None,
         progress: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        io: str = "auto",
+        io: str | None = None,
         name: str | None = None,
+        register_bytes: int = DEFAULT_REGISTER_BYTES,
+        depth: int = DEFAULT_DEPTH,
+        streams: int = 1,
+        order: str = "file",
+        hugepages: bool = False,
     ):
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
@@ -244,10 +267,19 @@ class SafetensorsSource:
             threads = min(DEFAULT_THREADS, os.cpu_count() or 1)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        if chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
-        if io not in ("auto", "mmap"):
-            raise ValueError(f"io must be 'auto' or 'mmap', got {io!r}")
+        for what, n in (("chunk_bytes", chunk_bytes), ("register_bytes", register_bytes)):
+            if not isinstance(n, int) or n < PAGE or n % PAGE:
+                raise ValueError(f"{what} must be a positive multiple of {PAGE}, got {n!r}")
+        if io is None:
+            io = os.environ.get(IO_ENV) or "auto"
+        if io not in IO_MODES:
+            raise ValueError(f"io must be one of {', '.join(IO_MODES)}; got {io!r}")
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be a positive int, got {depth!r}")
+        if not isinstance(streams, int) or not 1 <= streams <= depth:
+            raise ValueError(f"streams must be in [1, depth={depth}], got {streams!r}")
+        if order not in ("file", "interleave"):
+            raise ValueError(f"order must be 'file' or 'interleave', got {order!r}")
         self.model_dir, entries = checkpoint_entries(model_dir)
         self.model_name = name or str(self.model_dir.resolve())
         self.dtype = dtype
@@ -256,7 +288,9 @@ class SafetensorsSource:
         self.threads = threads
         self.show_progress = progress
         self.chunk_bytes = chunk_bytes
+        self.register_bytes = register_bytes
         self.io = io
+        self.depth, self.streams, self.order, self.hugepages = depth, streams, order, hugepages
         self.plan = resolve_plan(self.model_dir, tp_plan) if tp_size > 1 or tp_plan is not None else TPPlan()
         # a plan other than transformers' own changes the bytes: it goes into the key
         self._custom_plan = tp_size > 1 and tp_plan is not None and not (isinstance(tp_plan, str) and tp_plan == "auto")
@@ -269,6 +303,8 @@ class SafetensorsSource:
             self.tensors[tname] = _Tensor(e, spec, spec.shard_shape(e.shape, tp_size), out_dtype)
         self._handles: dict[Path, object] = {}
         self._handles_lock = threading.Lock()
+        self._sendfile_ok = hasattr(os, "sendfile")
+        self.last_modes: dict[str, str] = {}  # file name -> how the last fill read it (diagnostics, benchmarks)
 
     # -- Source protocol --------------------------------------------------------------------------
 
@@ -297,8 +333,10 @@ class SafetensorsSource:
     def fill(self, views: Mapping[str, torch.Tensor], progress: Callable[[int], None] | None = None) -> None:
         self._check_views(views)
         cuda = any(views[n].device.type == "cuda" for n in self.tensors)
-        jobs = self._jobs(views)
-        total = sum(j.nbytes for j in jobs)
+        if self.io == "instanttensor" and not cuda:
+            raise CheckpointError("io='instanttensor' loads into CUDA memory only; this source fills CPU views")
+        pieces, slices = self.plan_reads(views)
+        total = sum(p.nbytes for p in pieces) + sum(j.nbytes for j in slices)
         meter = _Progress(total, f"{self.model_dir.name} tp{self.tp_rank}/{self.tp_size}", self.show_progress)
         lock = threading.Lock()
 
@@ -308,45 +346,55 @@ class SafetensorsSource:
                 if progress is not None:
                     progress(n)
 
-        errors: list[BaseException] = []
-        stop = threading.Event()
-        queue = iter(jobs)
-        qlock = threading.Lock()
-
-        def next_job() -> _Job | None:
-            if stop.is_set():
-                return None
-            with qlock:
-                return next(queue, None)
-
-        fds = self._open_files(jobs)
-
-        def worker() -> None:
-            try:
-                if cuda:
-                    self._cuda_worker(views, fds, next_job, report, stage_bytes)
-                else:
-                    self._cpu_worker(views, fds, next_job, report)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                errors.append(e)
-                stop.set()
-
-        nthreads = max(1, min(self.threads, len(jobs)))
-        stage_bytes = min(self.chunk_bytes, max((j.nbytes for j in jobs), default=1))  # small models: small buffers
         try:
-            threads = [threading.Thread(target=worker, name=f"wc-fill-{i}", daemon=True) for i in range(nthreads)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            if self.io == "instanttensor":
+                from .instanttensor import fill_with_instanttensor
+
+                fill_with_instanttensor(self, views, report)
+                self.last_modes = {f.name: "instanttensor" for f in {t.entry.file for t in self.tensors.values()}}
+            elif cuda:
+                from .cuda_fill import CudaFill
+
+                CudaFill(self, views, pieces, slices, report).run()
+            else:
+                self._run_cpu(views, self.work_items(pieces, slices, lambda f: self.chunk_bytes), report)
+                how = "sendfile" if self._sendfile_ok else "preadv"
+                self.last_modes = {f.name: how for f in {p.file for p in pieces}}
+        finally:
+            meter.close()
+
+    def work_items(self, pieces: list[Piece], slices: list[SliceJob],
+                   segment_bytes: Callable[[Path], int]) -> list[Segment | SliceJob]:
+        """Segments (contiguous reads of at most ``segment_bytes(file)``, in ``order``), then slice jobs."""
+        by_size: dict[int, list[Piece]] = {}
+        for p in pieces:
+            by_size.setdefault(segment_bytes(p.file), []).append(p)
+        segments = [s for size, group in by_size.items() for s in plan_segments(group, size)]
+        segments.sort(key=lambda s: (str(s.file), s.start))
+        return [*order_segments(segments, self.order), *slices]
+
+    def _run_cpu(self, views, items: list, report: Callable[[int], None]) -> None:
+        fds = self.open_files({i.file for i in items})
+        try:
+            run_workers(self.threads, items, lambda next_item: self._cpu_worker(views, fds, next_item, report))
         finally:
             for fd in fds.values():
                 os.close(fd)
-            meter.close()
-        if errors:
-            raise errors[0]
 
     # -- planning --------------------------------------------------------------------------------
+
+    def files_without_duplicates(self) -> list[Path]:
+        """The files this rank reads; refuses a tensor name that two of them hold (for readers that take
+        whole files and cannot tell which copy the index means)."""
+        files = sorted({t.entry.file for t in self.tensors.values()}, key=str)
+        seen: dict[str, str] = {}
+        for f in files:
+            for name in read_header(f)[0]:
+                if name in self.tensors and name in seen:
+                    raise CheckpointError(f"tensor {name!r} is in both {seen[name]} and {f.name}; io={self.io!r} "
+                                          "reads whole files and cannot tell which one the index means")
+                seen[name] = f.name
+        return files
 
     def _check_views(self, views: Mapping[str, torch.Tensor]) -> None:
         for name, t in self.tensors.items():
@@ -363,29 +411,28 @@ class SafetensorsSource:
             ):
                 raise CheckpointError(f"destination view for {name!r} is on {v.device}, source device is {self.device}")
 
-    def _jobs(self, views: Mapping[str, torch.Tensor]) -> list[_Job]:
-        jobs = []
+    def plan_reads(self, views: Mapping[str, torch.Tensor]) -> tuple[list[Piece], list[SliceJob]]:
+        """Contiguous pieces (read straight from the file) and row-block slice copies (strided shards, casts)."""
+        pieces: list[Piece] = []
+        slices: list[SliceJob] = []
         for name, t in self.tensors.items():
             ranges = None
-            if self.io == "auto" and t.out_dtype == t.entry.dtype and views[name].is_contiguous():
+            if self.io != "mmap" and t.out_dtype == t.entry.dtype and views[name].is_contiguous():
                 ranges = t.byte_ranges(self.tp_rank, self.tp_size)
             if ranges is not None:
                 dst = 0
                 for off, n in ranges:
-                    for a in range(0, n, self.chunk_bytes):
-                        m = min(self.chunk_bytes, n - a)
-                        jobs.append(_Job(name, m, t.entry.file, offset=off + a, dst_offset=dst + a))
+                    pieces.append(Piece(t.entry.file, off, n, name, dst))
                     dst += n
                 continue
-            pieces = self._pieces(t)
-            for p, shape in enumerate(pieces):
+            for p, shape in enumerate(self._pieces(t)):
                 rows = shape[0] if shape else 1
                 row_bytes = (math.prod(shape[1:]) if shape else 1) * t.out_dtype.itemsize
                 step = max(1, self.chunk_bytes // max(row_bytes, 1))
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
-                    jobs.append(_Job(name, (r1 - r0) * row_bytes, t.entry.file, piece=p, r0=r0, r1=r1))
-        return jobs
+                    slices.append(SliceJob(name, (r1 - r0) * row_bytes, t.entry.file, piece=p, r0=r0, r1=r1))
+        return pieces, slices
 
     def _pieces(self, t: _Tensor) -> list[tuple[int, ...]]:
         """Shapes of the parts (one per packed split) that make up this rank's shard."""
@@ -396,11 +443,11 @@ class SafetensorsSource:
         shape[d] //= t.spec.split
         return [tuple(shape)] * t.spec.split
 
-    def _open_files(self, jobs: list[_Job]) -> dict[Path, int]:
+    def open_files(self, files) -> dict[Path, int]:
         fds = {}
         try:
-            for f in {j.file for j in jobs}:
-                fds[f] = os.open(f, os.O_RDONLY)
+            for f in sorted(files, key=str):
+                fds[f] = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             for fd in fds.values():
                 os.close(fd)
@@ -409,7 +456,7 @@ class SafetensorsSource:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _slice_source(self, name: str, piece: int, r0: int, r1: int) -> torch.Tensor:
+    def slice_source(self, name: str, piece: int, r0: int, r1: int) -> torch.Tensor:
         """A CPU tensor (view over the file's mmap where safetensors allows) of rows r0:r1 of one piece."""
         t = self.tensors[name]
         h = self._handle(t.entry.file)
@@ -448,7 +495,7 @@ class SafetensorsSource:
                 self._handles[file] = h
             return h
 
-    def _dst_rows(self, dst: torch.Tensor, job: _Job) -> torch.Tensor:
+    def dst_rows(self, dst: torch.Tensor, job: SliceJob) -> torch.Tensor:
         t = self.tensors[job.name]
         if t.spec.split > 1 and not t.spec.replicated and self.tp_size > 1:
             d = t.spec.dim
@@ -458,70 +505,57 @@ class SafetensorsSource:
             return dst
         return dst[job.r0 : job.r1]
 
-    def _pread(self, fds: dict[Path, int], job: _Job, buf: memoryview) -> None:
-        fd = fds[job.file]
-        done = 0
-        while done < job.nbytes:
-            try:
-                n = os.preadv(fd, [buf[done:]], job.offset + done)
-            except OSError as e:
-                raise CheckpointError(f"{job.file}: read of tensor {job.name!r} failed: {e}") from e
-            if n == 0:
-                raise CheckpointError(
-                    f"{job.file}: unexpected end of file reading tensor {job.name!r} (truncated checkpoint?)"
-                )
-            done += n
+    def _cpu_worker(self, views, fds, next_item, report) -> None:
+        """Segments go straight into the destination: through the arena block's memfd (sendfile: the kernel
+        writes whole pages, no faults or zeroing here) where the view lies in one, else preadv into it."""
+        from ..arena.host import block_file_at
 
-    def _cpu_worker(self, views, fds, next_job, report) -> None:
-        while (job := next_job()) is not None:
-            dst = views[job.name]
-            if job.piece < 0:
-                raw = dst.reshape(-1).view(torch.uint8)[job.dst_offset : job.dst_offset + job.nbytes]
-                self._pread(fds, job, memoryview(raw.numpy()).cast("B"))
-            else:
-                src = self._slice_source(job.name, job.piece, job.r0, job.r1)
-                self._dst_rows(dst, job).copy_(src)
-            report(job.nbytes)
+        junk = memoryview(bytearray(2 * PAGE))  # gap bytes between pieces land here (read, never used)
+        flat, writers = {}, {}
+        try:
+            while (item := next_item()) is not None:
+                if isinstance(item, Segment):
+                    iovs = []
+                    for p in item.pieces:
+                        raw = flat.get(p.name)
+                        if raw is None:
+                            raw = flat[p.name] = views[p.name].reshape(-1).view(torch.uint8)
+                        dst = raw[p.dst_offset : p.dst_offset + p.nbytes]
+                        where = block_file_at(dst.data_ptr(), p.nbytes) if self._sendfile_ok else None
+                        if where is None or not self._send(fds[item.file], writers, where, p):
+                            iovs.append((p.offset, memoryview(dst.numpy()).cast("B")))
+                    read_into(fds[item.file], iovs, junk, item.file, item.pieces[0].name)
+                    report(item.nbytes)
+                else:
+                    src = self.slice_source(item.name, item.piece, item.r0, item.r1)
+                    self.dst_rows(views[item.name], item).copy_(src)
+                    report(item.nbytes)
+        finally:
+            for w in writers.values():
+                os.close(w)
 
-    def _cuda_worker(self, views, fds, next_job, report, stage_bytes: int) -> None:
-        device = next(v.device for v in views.values() if v.device.type == "cuda")
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device=device)
-            bufs = [torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            events = [torch.cuda.Event() for _ in range(2)]
-            pending = [0, 0]
-            k = 0
-            with torch.cuda.stream(stream):
-                while (job := next_job()) is not None:
-                    events[k].synchronize()  # the H2D that last used this buffer is done
-                    if pending[k]:
-                        report(pending[k])
-                    buf = bufs[k] if job.nbytes <= stage_bytes else torch.empty(
-                        job.nbytes, dtype=torch.uint8, pin_memory=True
-                    )
-                    dst = views[job.name]
-                    if job.piece < 0:
-                        self._pread(fds, job, memoryview(buf[: job.nbytes].numpy()).cast("B"))
-                        flat = dst.reshape(-1).view(torch.uint8)
-                        flat[job.dst_offset : job.dst_offset + job.nbytes].copy_(buf[: job.nbytes], non_blocking=True)
-                    else:
-                        src = self._slice_source(job.name, job.piece, job.r0, job.r1)
-                        rows = self._dst_rows(dst, job)
-                        stage = buf[: job.nbytes].view(rows.dtype).view(rows.shape)
-                        stage.copy_(src)
-                        rows.copy_(stage, non_blocking=True)
-                    if buf is not bufs[k]:
-                        stream.synchronize()  # one-off buffer: finish before it is freed
-                        report(job.nbytes)
-                        pending[k] = 0
-                    else:
-                        events[k].record(stream)
-                        pending[k] = job.nbytes
-                    k ^= 1
-            stream.synchronize()
-            for n in pending:
-                if n:
-                    report(n)
+    def _send(self, src_fd: int, writers: dict[int, int], where: tuple[int, int], p: Piece) -> bool:
+        """sendfile one piece into a block's memfd at its offset; False (and off for good) if refused."""
+        block_fd, offset = where
+        try:
+            w = writers.get(block_fd)
+            if w is None:  # a file description of our own: sendfile writes at its position
+                w = writers[block_fd] = os.open(f"/proc/self/fd/{block_fd}", os.O_WRONLY | os.O_CLOEXEC)
+            os.lseek(w, offset, os.SEEK_SET)
+            done = 0
+            while done < p.nbytes:
+                n = os.sendfile(w, src_fd, p.offset + done, p.nbytes - done)
+                if n == 0:
+                    raise CheckpointError(f"{p.file}: unexpected end of file reading tensor {p.name!r} "
+                                          "(truncated checkpoint?)")
+                done += n
+            return True
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EACCES, errno.ENOENT):
+                log.info("sendfile into the arena refused (%s); reading with preadv", e)
+                self._sendfile_ok = False
+                return False
+            raise CheckpointError(f"{p.file}: read of tensor {p.name!r} failed: {e}") from e
 
 
 class _Progress:
@@ -536,8 +570,9 @@ class _Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, dynamic_ncols=True
+            self.bar = tqdm(  # the rate shown is the average since the start (smoothing=0), in GB/s
+                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, dynamic_ncols=True,
+                smoothing=0,
             )
 
     def update(self, n: int) -> None:

@@ -1,0 +1,382 @@
+"""Checkpoint bytes into CUDA memory: worker threads, each with ``depth`` copies in flight.
+
+Per file, one way (SafetensorsSource's ``io``):
+
+* ``register``: the segment's page-cache pages are page-locked where they are (a read-only
+  cuMemHostRegister of the file's shared mapping) and the GPU copies straight from them; no CPU copy. The
+  range is unregistered once its copies are done.
+* ``staged``: ``preadv`` of the segment into a pinned staging buffer (a CPU copy out of the page cache),
+  then host-to-device copies.
+* ``direct``: as ``staged`` with O_DIRECT reads of the page-aligned range (cold files, no page cache).
+
+A slot (staging buffer or registered range, CUDA event) is reused only after its copies are done. A range
+the driver refuses to register falls back to ``staged`` for the rest of that file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .filemap import DIRECT_ALIGN, FileMap, open_direct
+from .read_plan import Segment, plan_segments
+from .reading import CheckpointError, read_into, run_workers
+
+log = logging.getLogger(__name__)
+
+WARM_IO = "register"  # auto: a file in the page cache
+COLD_IO = "direct"  # auto: a file mostly not in the page cache
+RESIDENT = 0.5  # auto: "in the page cache" from this fraction of sampled pages
+HUGE = 2 << 20
+_REGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
+_REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE
+
+
+def _driver():
+    """cuda-bindings' driver module and weightcache's context helper, or (None, None) without them."""
+    from ..arena import cuda as arena_cuda
+
+    return (arena_cuda.cu, arena_cuda) if arena_cuda.cu is not None else (None, None)
+
+
+def _status(result):
+    """The CUresult of a cuda-bindings call (which returns a tuple whose first item is it)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _err_name(cu, err) -> str:
+    try:
+        _, name = cu.cuGetErrorName(err)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001
+        return str(err)
+
+
+def register_supported(index: int) -> str:
+    """"" if read-only host registration can work on this device, else why not."""
+    cu, arena = _driver()
+    if cu is None:
+        return "no cuda-bindings"
+    attr = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED", None)
+    if attr is None:
+        return ""
+    try:
+        with arena.device_context(index):
+            err, dev = cu.cuDeviceGet(index)
+            err2, value = cu.cuDeviceGetAttribute(attr, dev)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    if err != cu.CUresult.CUDA_SUCCESS or err2 != cu.CUresult.CUDA_SUCCESS:
+        return "cannot query the device"
+    return "" if value else "the device cannot register read-only host memory"
+
+
+class _HugeStaging:
+    """A staging buffer in transparent huge pages, page-locked with cuMemHostRegister."""
+
+    def __init__(self, nbytes: int):
+        cu, _ = _driver()
+        if cu is None:
+            raise RuntimeError("no cuda-bindings")
+        self.cu = cu
+        size = -(-nbytes // HUGE) * HUGE
+        self._mm = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        whole = torch.frombuffer(self._mm, dtype=torch.uint8)
+        shift = (-whole.data_ptr()) % HUGE
+        self.tensor = whole[shift : shift + size]
+        self.tensor.fill_(0)  # fault the huge pages in now
+        self.ptr = self.tensor.data_ptr()
+        err = _status(cu.cuMemHostRegister(self.ptr, size, _REGISTER_PORTABLE))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            self.ptr = 0
+            raise RuntimeError(f"cuMemHostRegister of a huge-page staging buffer: {_err_name(cu, err)}")
+
+    def close(self) -> None:
+        if self.ptr:
+            self.cu.cuMemHostUnregister(self.ptr)
+            self.ptr = 0
+        self.tensor = None
+        with contextlib.suppress(BufferError):
+            self._mm.close()  # else when the last view is gone
+
+
+class _Slot:
+    """One copy in flight: a CUDA event, the bytes it will have delivered, what to release after it."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+        self.event = torch.cuda.Event()
+        self.buf: torch.Tensor | None = None
+        self.buf_owner: _HugeStaging | None = None
+        self.bytes = 0
+        self.release: Callable[[], None] | None = None
+
+    def drain(self, report: Callable[[int], None] | None) -> None:
+        if not (self.bytes or self.release):
+            return
+        try:
+            self.event.synchronize()
+        finally:
+            if self.release is not None:
+                release, self.release = self.release, None
+                release()
+        if self.bytes and report is not None:
+            report(self.bytes)
+        self.bytes = 0
+
+    def free(self) -> None:
+        self.buf = None
+        if self.buf_owner is not None:
+            self.buf_owner.close()
+            self.buf_owner = None
+
+
+class CudaFill:
+    """One fill of CUDA views from a SafetensorsSource's plan (segments and slice jobs)."""
+
+    def __init__(self, source, views, pieces: list, slices: list, report: Callable[[int], None],
+                 device: torch.device | None = None):
+        self.src, self.views, self.pieces, self.slices, self.report = source, views, pieces, slices, report
+        self.items: list = []
+        self.device = device or next(v.device for v in views.values() if v.device.type == "cuda")
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.cu, self.arena = _driver()
+        self.flat = {n: v.reshape(-1).view(torch.uint8) if v.is_contiguous() else v for n, v in views.items()}
+        self.ptrs = {n: v.data_ptr() for n, v in views.items()}
+        self.modes: dict[Path, str] = {}
+        self._modes_lock = threading.Lock()
+        self.maps: dict[Path, FileMap] = {}
+        self.direct_fds: dict[Path, int] = {}
+        self._huge_failed = False
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _choose_modes(self) -> None:
+        io = self.src.io
+        files = sorted({p.file for p in self.pieces}, key=str)
+        why_not = register_supported(self.index) if io in ("auto", "register") else ""
+        for f in files:
+            mode, fm = io, None
+            if io in ("auto", "register"):
+                try:
+                    fm = FileMap(f)
+                except OSError as e:
+                    raise CheckpointError(f"cannot map checkpoint file {f}: {e}") from e
+            if io == "auto":
+                mode = WARM_IO if fm.resident_fraction() >= RESIDENT else COLD_IO
+            if mode == "register" and why_not:
+                if io == "register":
+                    log.warning("cannot register %s for DMA (%s); copying through staging buffers", f.name, why_not)
+                mode = "staged"
+            if mode == "register":
+                self.maps[f] = fm
+            elif fm is not None:
+                fm.close()
+            if mode == "direct":
+                fd = open_direct(f)
+                if fd is None:
+                    log.info("%s: O_DIRECT not supported here; reading through the page cache", f.name)
+                    mode = "staged"
+                else:
+                    self.direct_fds[f] = fd
+            self.modes[f] = mode
+        log.debug("fill modes: %s", {f.name: m for f, m in self.modes.items()})
+
+    def _segment_bytes(self, file: Path) -> int:
+        return self.src.register_bytes if self.modes.get(file) == "register" else self.src.chunk_bytes
+
+    def _stage_bytes(self) -> int:
+        """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
+        buffers start on a page boundary (torch's pinned allocator, huge pages)."""
+        n = DIRECT_ALIGN
+        for i in self.items:
+            if isinstance(i, Segment):
+                a, b = i.page_range(DIRECT_ALIGN)
+                n = max(n, b - a)
+            else:
+                n = max(n, -(-i.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+        return min(n, self.src.chunk_bytes)
+
+    def run(self) -> None:
+        fds = {}
+        try:
+            self._choose_modes()
+            self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
+            self.stage_bytes = self._stage_bytes()
+            fds = self.src.open_files({i.file for i in self.items})
+            self.fds = fds
+            run_workers(self.src.threads, self.items, self._worker)
+        finally:
+            self.src.last_modes = {f.name: m for f, m in self.modes.items()}
+            for fd in [*fds.values(), *self.direct_fds.values()]:
+                os.close(fd)
+            for m in self.maps.values():
+                m.close()
+
+    # -- workers ----------------------------------------------------------------------------------
+
+    def _worker(self, next_item) -> None:
+        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
+        with ctx, torch.cuda.device(self.device):
+            streams = [torch.cuda.Stream(device=self.device) for _ in range(self.src.streams)]
+            slots = [_Slot(streams[i % len(streams)]) for i in range(self.src.depth)]
+            ok = False
+            try:
+                k = 0
+                while (item := next_item()) is not None:
+                    slot = slots[k]
+                    k = (k + 1) % len(slots)
+                    slot.drain(self.report)
+                    if isinstance(item, Segment):
+                        self._segment(item, slot)
+                    else:
+                        self._slice(item, slot)
+                ok = True
+            finally:
+                for s in slots:
+                    try:
+                        s.drain(self.report if ok else None)
+                    except Exception:
+                        if ok:
+                            raise
+                for s in slots:
+                    s.free()
+
+    def _staging(self, slot: _Slot) -> torch.Tensor:
+        if slot.buf is None:
+            if self.src.hugepages and not self._huge_failed:
+                try:
+                    slot.buf_owner = _HugeStaging(self.stage_bytes)
+                    slot.buf = slot.buf_owner.tensor
+                except Exception as e:  # noqa: BLE001
+                    self._huge_failed = True
+                    log.warning("huge-page staging buffers unavailable (%s); using pinned memory", e)
+            if slot.buf is None:
+                slot.buf = self._pinned(self.stage_bytes)
+        return slot.buf
+
+    @staticmethod
+    def _pinned(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _segment(self, seg: Segment, slot: _Slot) -> None:
+        mode = self.modes.get(seg.file, "staged")
+        if mode == "register":
+            if self._register(seg, slot):
+                return
+            mode = "staged"
+        a0, a1 = seg.page_range(DIRECT_ALIGN)
+        parts = [seg] if a1 - a0 <= self.stage_bytes else plan_segments(seg.pieces, self.src.chunk_bytes)
+        for i, part in enumerate(parts):
+            if i:
+                slot.drain(self.report)  # the buffer is free again
+            self._staged(part, slot, mode)
+
+    def _staged(self, seg: Segment, slot: _Slot, mode: str) -> None:
+        buf = self._staging(slot)
+        a0, a1 = seg.page_range(DIRECT_ALIGN)
+        if mode == "direct" and buf.data_ptr() % DIRECT_ALIGN == 0:
+            self._read_direct(seg, a0, a1, buf[: a1 - a0])
+            base = a0
+        else:
+            n = seg.end - seg.start
+            read_into(self.fds[seg.file], [(seg.start, memoryview(buf[:n].numpy()))], memoryview(b""), seg.file,
+                      seg.pieces[0].name)
+            base = seg.start
+        with torch.cuda.stream(slot.stream):
+            for p in seg.pieces:
+                o = p.offset - base
+                self.flat[p.name][p.dst_offset : p.dst_offset + p.nbytes].copy_(buf[o : o + p.nbytes],
+                                                                                  non_blocking=True)
+        slot.event.record(slot.stream)
+        slot.bytes = seg.nbytes
+
+    def _read_direct(self, seg: Segment, a0: int, a1: int, buf: torch.Tensor) -> None:
+        """O_DIRECT read of [a0, a1) (aligned); the file may end before a1. A short read that leaves the
+        offset unaligned finishes through the page cache."""
+        fd = self.direct_fds[seg.file]
+        mv = memoryview(buf.numpy())
+        need, done = seg.end - a0, 0
+        while done < need:
+            if done % DIRECT_ALIGN:
+                read_into(self.fds[seg.file], [(a0 + done, mv[done:need])], memoryview(b""), seg.file,
+                          seg.pieces[0].name)
+                return
+            try:
+                n = os.preadv(fd, [mv[done : a1 - a0]], a0 + done)
+            except OSError as e:
+                raise CheckpointError(f"{seg.file}: O_DIRECT read of tensor {seg.pieces[0].name!r} failed: {e}") from e
+            if n == 0:
+                raise CheckpointError(f"{seg.file}: unexpected end of file reading tensor {seg.pieces[0].name!r} "
+                                      "(truncated checkpoint?)")
+            done += n
+
+    def _register(self, seg: Segment, slot: _Slot) -> bool:
+        """Copy from the page-locked page-cache pages of the segment; False if the driver refused (or the
+        bindings failed before any copy was queued): the caller stages the segment instead."""
+        cu = self.cu
+        fm = self.maps[seg.file]
+        p0, p1 = seg.page_range()
+        ptr = fm.addr + p0
+        try:
+            err = _status(cu.cuMemHostRegister(ptr, p1 - p0, _REGISTER_READ_ONLY))
+        except Exception as e:  # noqa: BLE001 - an unexpected bindings API: the plain path still works
+            return self._refused(seg, f"{type(e).__name__}: {e}")
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return self._refused(seg, f"cuMemHostRegister: {_err_name(cu, err)}")
+        queued = 0
+        try:
+            stream = cu.CUstream(slot.stream.cuda_stream)
+            for p in seg.pieces:
+                err = _status(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self.ptrs[p.name] + p.dst_offset),
+                                                   fm.addr + p.offset, p.nbytes, stream))
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise CheckpointError(f"{seg.file}: copy of tensor {p.name!r} to the device failed: "
+                                          f"{_err_name(cu, err)}")
+                queued += 1
+            slot.event.record(slot.stream)
+        except BaseException as e:
+            slot.stream.synchronize()
+            cu.cuMemHostUnregister(ptr)
+            if queued == 0 and isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                return self._refused(seg, f"{type(e).__name__}: {e}")
+            raise
+        slot.bytes = seg.nbytes
+        slot.release = lambda: cu.cuMemHostUnregister(ptr)
+        return True
+
+    def _refused(self, seg: Segment, why: str) -> bool:
+        with self._modes_lock:
+            if self.modes.get(seg.file) == "register":
+                self.modes[seg.file] = "staged"
+                log.warning("cannot register %s for DMA (%s); copying it through staging buffers", seg.file.name, why)
+        return False
+
+    def _slice(self, job, slot: _Slot) -> None:
+        dst = self.views[job.name]
+        src = self.src.slice_source(job.name, job.piece, job.r0, job.r1)
+        rows = self.src.dst_rows(dst, job)
+        if job.nbytes <= self.stage_bytes:
+            buf = self._staging(slot)
+        else:  # one row larger than a staging buffer: a one-off buffer, finished before it is freed
+            buf = self._pinned(job.nbytes)
+        stage = buf[: job.nbytes].view(rows.dtype).view(rows.shape)
+        stage.copy_(src)
+        with torch.cuda.stream(slot.stream):
+            rows.copy_(stage, non_blocking=True)
+        slot.event.record(slot.stream)
+        slot.bytes = job.nbytes
+        if buf is not slot.buf:
+            slot.drain(self.report)
+
+
+__all__ = ["COLD_IO", "WARM_IO", "CudaFill", "register_supported"]

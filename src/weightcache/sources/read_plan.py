@@ -1,0 +1,91 @@
+"""Which file bytes go where: contiguous pieces of tensors grouped into segments, one read (or one host
+registration) each.
+
+A piece is a run of bytes of one file that lands contiguously in one destination tensor. Pieces of a file
+whose pages touch are merged into runs; runs are cut at absolute file offsets that are multiples of the
+segment size (a multiple of the page size). So a segment never crosses such a boundary, and the page-rounded
+ranges of any two segments are disjoint: each can be page-locked (registered for DMA) on its own, and read
+with O_DIRECT within ``segment_bytes`` of aligned buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    name: str  # destination tensor
+    dst_offset: int  # byte offset in the destination tensor
+
+
+@dataclass
+class Segment:
+    file: Path
+    start: int  # first byte needed (absolute)
+    end: int  # one past the last byte needed
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that land in destinations (gaps of less than two pages between pieces are read, not kept)."""
+        return sum(p.nbytes for p in self.pieces)
+
+    def page_range(self, page: int = PAGE) -> tuple[int, int]:
+        return self.start // page * page, -(-self.end // page) * page
+
+
+def round_down(n: int, a: int) -> int:
+    return n // a * a
+
+
+def plan_segments(pieces: Iterable[Piece], segment_bytes: int, page: int = PAGE) -> list[Segment]:
+    """Segments of at most ``segment_bytes`` (page-rounded), file by file in offset order."""
+    if segment_bytes < page or segment_bytes % page:
+        raise ValueError(f"segment_bytes must be a positive multiple of {page}, got {segment_bytes}")
+    by_file: dict[Path, list[Piece]] = {}
+    for p in pieces:
+        if p.nbytes > 0:
+            by_file.setdefault(p.file, []).append(p)
+    out: list[Segment] = []
+    for file in sorted(by_file, key=str):
+        seg: Segment | None = None
+        for p in sorted(by_file[file], key=lambda q: q.offset):
+            off, dst, left = p.offset, p.dst_offset, p.nbytes
+            while left:
+                boundary = round_down(off, segment_bytes) + segment_bytes
+                n = min(left, boundary - off)
+                # join the open segment if this piece starts at or before the page after its last one, in the
+                # same cut; otherwise the two page-rounded ranges stay disjoint
+                if seg is None or round_down(off, page) > -(-seg.end // page) * page or \
+                        round_down(off, segment_bytes) != round_down(seg.start, segment_bytes):
+                    seg = Segment(file, off, off + n)
+                    out.append(seg)
+                seg.end = max(seg.end, off + n)
+                seg.pieces.append(Piece(file, off, n, p.name, dst))
+                off, dst, left = off + n, dst + n, left - n
+    return out
+
+
+def order_segments(segments: list[Segment], order: str) -> list[Segment]:
+    """"file": file after file (each file read front to back); "interleave": round robin over the files, so
+    that threads work on several files at once."""
+    if order == "file":
+        return list(segments)
+    if order != "interleave":
+        raise ValueError(f"order must be 'file' or 'interleave', got {order!r}")
+    per_file: dict[Path, list[Segment]] = {}
+    for s in segments:
+        per_file.setdefault(s.file, []).append(s)
+    return [s for group in zip_longest(*per_file.values()) for s in group if s is not None]
+
+
+__all__ = ["PAGE", "Piece", "Segment", "order_segments", "plan_segments"]

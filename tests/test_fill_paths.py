@@ -1,0 +1,396 @@
+"""How checkpoint bytes are planned and read: segments, preadv batches, and the CUDA fill's modes (staged,
+register, direct, auto, huge-page staging) run against a stand-in for the CUDA driver that copies on the
+CPU and checks every registration (page-aligned, disjoint, unregistered at the end)."""
+
+import contextlib
+import ctypes
+import json
+import logging
+import mmap
+import os
+import random
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightcache.key import parse_dtype
+from weightcache.sources import cuda_fill
+from weightcache.sources.filemap import FileMap, drop_from_page_cache, resident_fraction
+from weightcache.sources.read_plan import PAGE, Piece, order_segments, plan_segments
+from weightcache.sources.reading import CheckpointError, read_into
+from weightcache.sources.safetensors import SafetensorsSource
+
+# -- planning ---------------------------------------------------------------------------------------------
+
+
+def random_pieces(rng, files=2, n=40):
+    out = []
+    for f in range(files):
+        off = rng.randrange(0, 3 * PAGE)
+        for i in range(n):
+            off += rng.choice([0, 0, 0, 7, PAGE - 1, PAGE, 2 * PAGE + 5, 50_000])  # adjacent, small and big gaps
+            size = rng.choice([2, 100, PAGE, 3 * PAGE + 11, 40_000, 200_000])
+            out.append(Piece(Path(f"f{f}"), off, size, f"t{f}.{i}", rng.randrange(0, 1000)))
+            off += size
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("segment_bytes", [PAGE, 4 * PAGE, 64 * PAGE])
+def test_segments_cover_pieces_once_with_disjoint_pages(seed, segment_bytes):
+    pieces = random_pieces(random.Random(seed))
+    segs = plan_segments(pieces, segment_bytes)
+    # every byte of every piece lands exactly once, at the right destination offset
+    got = {}
+    for s in segs:
+        assert s.pieces and s.start == s.pieces[0].offset and s.end == max(p.offset + p.nbytes for p in s.pieces)
+        for p in s.pieces:
+            assert p.file == s.file
+            for k in (0, p.nbytes - 1):
+                key = (p.name, p.dst_offset + k)
+                assert key not in got
+                got[key] = p.offset + k
+    for p in pieces:
+        assert got[(p.name, p.dst_offset)] == p.offset
+        assert got[(p.name, p.dst_offset + p.nbytes - 1)] == p.offset + p.nbytes - 1
+    assert sum(s.nbytes for s in segs) == sum(p.nbytes for p in pieces)
+    # page-rounded ranges: within one cut of segment_bytes, and disjoint within a file
+    for f in {s.file for s in segs}:
+        ranges = sorted(s.page_range() for s in segs if s.file == f)
+        for a, b in ranges:
+            assert b - a <= segment_bytes and a // segment_bytes == (b - 1) // segment_bytes
+        for (_, b), (c, _) in zip(ranges, ranges[1:], strict=False):
+            assert b <= c
+
+
+def test_segments_join_adjacent_and_split_far_pieces():
+    f = Path("x")
+    pieces = [Piece(f, 100, 50, "a", 0), Piece(f, 150, 10, "b", 0), Piece(f, 3 * PAGE, 8, "c", 0)]
+    segs = plan_segments(pieces, 16 * PAGE)
+    assert [[p.name for p in s.pieces] for s in segs] == [["a", "b"], ["c"]]
+    one = plan_segments([Piece(f, PAGE - 10, 3 * PAGE, "big", 5)], 2 * PAGE)
+    assert [(p.offset, p.nbytes, p.dst_offset) for s in one for p in s.pieces] == [
+        (PAGE - 10, PAGE + 10, 5), (2 * PAGE, 2 * PAGE - 10, PAGE + 15)]
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        plan_segments(pieces, 5000)
+
+
+def test_interleave_round_robins_files():
+    segs = plan_segments([Piece(Path(f), i * 8 * PAGE, PAGE, f"{f}{i}", 0) for f in "ab" for i in range(3)], PAGE)
+    assert [s.pieces[0].name for s in order_segments(segs, "interleave")] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert [s.pieces[0].name for s in order_segments(segs, "file")] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    with pytest.raises(ValueError, match="order must be"):
+        order_segments(segs, "random")
+
+
+def test_read_into_batches_gaps_overlaps_and_eof(tmp_path):
+    data = os.urandom(8 << 20)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        junk = memoryview(bytearray(2 * PAGE))
+        rng = random.Random(1)
+        wants, iovs, off = [], [], 0
+        for _ in range(1500):  # more buffers than one preadv takes
+            off += rng.choice([0, 0, 5, PAGE + 3, 3 * PAGE, -3])  # gaps, a gap past the junk, overlaps
+            off = max(off, 0)
+            n = rng.randrange(1, 700)
+            buf = bytearray(n)
+            iovs.append((off, memoryview(buf)))
+            wants.append((buf, data[off : off + n]))
+            off += n
+        read_into(fd, iovs, junk, f, "t")
+        assert all(bytes(b) == w for b, w in wants)
+        with pytest.raises(CheckpointError, match="unexpected end of file reading tensor 't'"):
+            read_into(fd, [(len(data) - 10, memoryview(bytearray(20)))], junk, f, "t")
+    finally:
+        os.close(fd)
+
+
+def test_filemap_residency_and_drop(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(64 * PAGE))
+    with FileMap(f) as m:
+        assert m.size == 64 * PAGE and m.addr % PAGE == 0
+        assert bytes((ctypes.c_char * 16).from_address(m.addr)) == f.read_bytes()[:16]
+    assert resident_fraction(f) == 1.0  # just written
+    drop_from_page_cache(f)
+    assert 0.0 <= resident_fraction(f) <= 1.0  # some file systems keep the pages (tmpfs): only sane bounds here
+    with pytest.raises(OSError):
+        FileMap(tmp_path / "missing")
+
+
+# -- a small checkpoint in two files ---------------------------------------------------------------------
+
+PLAN = {"layers.*.col": "colwise", "layers.*.row": "rowwise"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fillpaths")
+    g = torch.Generator().manual_seed(0)
+    files = {"a.safetensors": {}, "b.safetensors": {}}
+    for i in range(6):
+        part = files["a.safetensors" if i < 3 else "b.safetensors"]
+        part[f"model.layers.{i}.col.weight"] = torch.randn(64, 48, generator=g)  # 12 KiB, dim-0 split: pieces
+        part[f"model.layers.{i}.row.weight"] = torch.randn(24, 32, generator=g)  # last-dim split: slices
+        part[f"model.layers.{i}.norm.weight"] = torch.randn(7, generator=g)  # tiny, unaligned
+    files["b.safetensors"]["model.embed.weight"] = torch.randn(300, 64, generator=g)  # 75 KiB > a chunk
+    files["b.safetensors"]["model.steps"] = torch.arange(5, dtype=torch.int64)
+    weight_map = {}
+    for fname, tensors in files.items():
+        save_file(tensors, str(d / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in tensors})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d
+
+
+def views_for(src):
+    return {m.name: torch.empty(m.shape, dtype=parse_dtype(m.dtype)) for m in src.describe()}
+
+
+def reference(ckpt, tp_rank, tp_size, dtype):
+    src = SafetensorsSource(ckpt, tp_rank=tp_rank, tp_size=tp_size, tp_plan=PLAN, dtype=dtype, io="mmap",
+                            progress=False)
+    v = views_for(src)
+    src.fill(v)
+    return v
+
+
+@pytest.mark.parametrize("order", ["file", "interleave"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_fill_segments_match_slices(ckpt, order, threads):
+    for r in range(2):
+        want = reference(ckpt, r, 2, None)
+        src = SafetensorsSource(ckpt, tp_rank=r, tp_size=2, tp_plan=PLAN, chunk_bytes=2 * PAGE, order=order,
+                                threads=threads, progress=False)
+        v = views_for(src)
+        got = []
+        src.fill(v, got.append)
+        assert sum(got) == src.nbytes
+        assert all(torch.equal(v[n], want[n]) for n in want)
+
+
+def arena_views(src):
+    from weightcache.arena.host import HostBlock
+    from weightcache.manifest import build_views, plan_for_metas
+
+    manifest = plan_for_metas(src.describe())
+    blocks = [HostBlock(b.nbytes) for b in manifest.blocks]
+    return blocks, build_views(manifest, [b.tensor for b in blocks])
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_cpu_fill_into_memfd_arena_sends_file_pages(ckpt, monkeypatch, refuse):
+    import errno
+
+    calls = []
+    real = os.sendfile
+
+    def sendfile(*a):
+        calls.append(a)
+        if refuse:
+            raise OSError(errno.EINVAL, "refused")
+        return real(*a)
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    src = SafetensorsSource(ckpt, tp_rank=1, tp_size=2, tp_plan=PLAN, chunk_bytes=2 * PAGE, progress=False)
+    blocks, views = arena_views(src)
+    src.fill(views)
+    want = reference(ckpt, 1, 2, None)
+    assert all(torch.equal(views[n], want[n]) for n in want)
+    contiguous = sum(p.nbytes for p in src.plan_reads(views)[0])  # slices (last-dim splits) are copied
+    assert len(calls) == 1 if refuse else sum(a[3] for a in calls) == contiguous
+    assert src._sendfile_ok is not refuse
+    for b in blocks:
+        b.close()
+
+
+def test_cpu_fill_into_arena_truncated(ckpt, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    src = SafetensorsSource(d, progress=False)
+    blocks, views = arena_views(src)
+    os.truncate(d / "b.safetensors", 3 * PAGE)
+    with pytest.raises(CheckpointError, match="b.safetensors: unexpected end of file"):
+        src.fill(views)
+    for b in blocks:
+        b.close()
+
+
+def test_io_from_environment(ckpt, monkeypatch):
+    monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "mmap")
+    assert SafetensorsSource(ckpt, progress=False).io == "mmap"
+    assert SafetensorsSource(ckpt, io="staged", progress=False).io == "staged"
+    monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "fast")
+    with pytest.raises(ValueError, match="io must be one of"):
+        SafetensorsSource(ckpt, progress=False)
+
+
+def test_instanttensor_needs_cuda_views(ckpt):
+    src = SafetensorsSource(ckpt, io="instanttensor", progress=False)
+    with pytest.raises(CheckpointError, match="CUDA memory only"):
+        src.fill(views_for(src))
+
+
+# -- the CUDA fill against a stand-in driver ------------------------------------------------------------
+
+
+class FakeDriver:
+    """cuMemHostRegister / cuMemcpyHtoDAsync on the CPU, checking what the real driver would refuse."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED = 99
+
+    CUstream = staticmethod(lambda handle: handle)
+    CUdeviceptr = staticmethod(int)
+
+    def __init__(self, refuse_read_only=False):
+        self.refuse = refuse_read_only
+        self.live: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self.registrations = self.copies = 0
+
+    def cuGetErrorName(self, err):
+        return 0, b"CUDA_ERROR_NOT_SUPPORTED"
+
+    def cuDeviceGet(self, index):
+        return 0, index
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return 0, 1
+
+    def cuMemHostRegister(self, ptr, n, flags):
+        if self.refuse and flags & 0x08:
+            return (801,)
+        with self.lock:
+            assert ptr % PAGE == 0 and n % PAGE == 0 and n > 0
+            assert all(ptr + n <= p or p + m <= ptr for p, m in self.live.items()), "overlapping registration"
+            self.live[ptr] = n
+            self.registrations += 1
+        return (0,)
+
+    def cuMemHostUnregister(self, ptr):
+        with self.lock:
+            del self.live[ptr]
+        return (0,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        with self.lock:
+            assert any(p <= src and src + n <= p + m for p, m in self.live.items()), "copy from unregistered memory"
+            self.copies += 1
+        ctypes.memmove(dst, src, n)
+        return (0,)
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def __init__(self, device=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def page_aligned(n):
+    return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda_fill, "_driver", lambda: (drv, SimpleNamespace(device_context=lambda i: contextlib.nullcontext())))
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(page_aligned))
+    return drv
+
+
+def cuda_fill_run(ckpt, r, dtype=None, **kw):
+    src = SafetensorsSource(ckpt, tp_rank=r, tp_size=2, tp_plan=PLAN, dtype=dtype, progress=False, **kw)
+    views = views_for(src)
+    pieces, slices = src.plan_reads(views)
+    got = []
+    fill = cuda_fill.CudaFill(src, views, pieces, slices, got.append, device=torch.device("cuda", 0))
+    fill.run()
+    assert sum(got) == src.nbytes
+    want = reference(ckpt, r, 2, dtype)
+    assert all(torch.equal(views[n], want[n]) for n in want)
+    return fill
+
+
+@pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
+@pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave")])
+def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
+    for r in range(2):
+        fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
+        modes = set(fill.modes.values())
+        assert modes == {"register" if io == "auto" else io} or (io == "direct" and modes == {"staged"})
+    assert fake_cuda.live == {}  # every registration released
+    assert (fake_cuda.registrations > 0) == (io in ("register", "auto"))
+
+
+def test_cuda_fill_dtype_cast_and_cold_auto(ckpt, fake_cuda, monkeypatch):
+    monkeypatch.setattr(FileMap, "resident_fraction", lambda self, samples=256: 0.0)
+    fill = cuda_fill_run(ckpt, 1, dtype=torch.bfloat16, io="auto", chunk_bytes=2 * PAGE)
+    assert set(fill.modes.values()) <= {"direct", "staged"}
+    assert fake_cuda.registrations == 0
+
+
+def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
+    fake_cuda.refuse = True
+    with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
+        fill = cuda_fill_run(ckpt, 0, io="register", threads=2, chunk_bytes=2 * PAGE, register_bytes=8 * PAGE)
+    assert set(fill.modes.values()) == {"staged"} and fake_cuda.registrations == 0
+    assert any("cannot register" in r.getMessage() and "CUDA_ERROR_NOT_SUPPORTED" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeypatch):
+    def broken(*a):
+        raise TypeError("argument 'hStream' has an unexpected type")
+
+    monkeypatch.setattr(fake_cuda, "cuMemcpyHtoDAsync", broken)
+    fill = cuda_fill_run(ckpt, 1, io="register", threads=2, chunk_bytes=2 * PAGE, register_bytes=8 * PAGE)
+    assert set(fill.modes.values()) == {"staged"} and fake_cuda.live == {}
+
+
+def test_cuda_fill_huge_page_staging(ckpt, fake_cuda):
+    cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE)
+    assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
+
+
+def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    src = SafetensorsSource(d, tp_rank=0, tp_size=2, tp_plan=PLAN, io="staged", chunk_bytes=2 * PAGE,
+                            progress=False)
+    views = views_for(src)
+    pieces, slices = src.plan_reads(views)
+    os.truncate(d / "b.safetensors", 3 * PAGE)
+    with pytest.raises(CheckpointError, match="b.safetensors"):
+        cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    assert fake_cuda.live == {}
