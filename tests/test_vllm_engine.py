@@ -21,9 +21,12 @@ from vllm_harness import (  # noqa: E402
     RUNNER,
     Preload,
     cleanup,
+    disk_reference,
+    draft_spec,
     new_work,
     ok,
     openai_server_survives_daemon_kill,
+    preload_with_draft,
     result_of,
     run_engine,
     sockdir,
@@ -52,20 +55,14 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemons(work):
-    """The main model plus a draft model group (speculative decoding), as one preload."""
-    sd = sockdir(work, "main")
-    spec = json.dumps({"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2})
-    p = Preload(work, work["tiny"], sd, "--speculative-config", spec)
+    p = preload_with_draft(work)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
 def disk(work):
-    """The reference: the same engine loading from disk (its weight files are seen being opened)."""
-    res = ok(run_engine(work, {"watch": [work["tiny"]], "dump": str(work["root"] / "disk.pt")}))
-    assert weight_files_opened(res), "the open watcher saw no weight file opened by a disk load"
-    return res
+    return disk_reference(work)
 
 
 def attach_extra(daemons, **kw) -> dict:
@@ -91,7 +88,7 @@ def test_attach_generates_the_disk_tokens_restarts_and_never_opens_weights(work,
 
 
 def test_draft_model_attaches_from_the_draft_group(work, daemons, disk):
-    spec = {"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2}
+    spec = draft_spec(work)
     draft_sock = daemons.sockets("draft")
     assert len(draft_sock) == 1
     served = query_status(draft_sock[0]).attaches_served

@@ -21,9 +21,12 @@ from vllm_harness import (  # noqa: E402
     VLLM_FLAGS,
     Preload,
     cleanup,
+    disk_reference,
+    draft_spec,
     new_work,
     ok,
     openai_server_survives_daemon_kill,
+    preload_with_draft,
     run_engine,
     sockdir,
     weight_files_opened,
@@ -50,24 +53,16 @@ def work(tmp_path_factory):
     cleanup(w)
 
 
-def _spec_config(work) -> dict:
-    return {"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2}
-
-
 @pytest.fixture(scope="module")
 def daemons(work):
-    import json
-
-    p = Preload(work, work["tiny"], sockdir(work, "main"), "--speculative-config", json.dumps(_spec_config(work)))
+    p = preload_with_draft(work)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
 def disk(work):
-    res = ok(run_engine(work, {"watch": [work["tiny"]], "dump": str(work["root"] / "disk.pt")}))
-    assert weight_files_opened(res), "the open watcher saw no weight file opened by a disk load"
-    return res
+    return disk_reference(work)
 
 
 def _same_as_disk(work, name: str, model: str, sd: str, **spec) -> tuple[dict, dict]:
@@ -115,7 +110,7 @@ def test_moe(work, arch, quantization):
 
 
 def test_draft_model_attaches_from_the_draft_group(work, daemons, disk):
-    spec = _spec_config(work)
+    spec = draft_spec(work)
     ref = ok(run_engine(work, {"speculative_config": spec}))
     res = ok(run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": daemons.sockdir},
                                "speculative_config": spec, "watch": [work["tiny"], work["tiny2"]]}))

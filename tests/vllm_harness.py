@@ -112,6 +112,22 @@ def weight_files_opened(res: dict) -> list[str]:
     return [e for e in res["opened"] if e.endswith(".safetensors")]
 
 
+def draft_spec(work) -> dict:
+    return {"method": "draft_model", "model": work["tiny2"], "num_speculative_tokens": 2}
+
+
+def preload_with_draft(work) -> Preload:
+    """The main model plus a draft model group (speculative decoding), as one preload."""
+    return Preload(work, work["tiny"], sockdir(work, "main"), "--speculative-config", json.dumps(draft_spec(work)))
+
+
+def disk_reference(work) -> dict:
+    """The reference: the same engine loading from disk (its weight files are seen being opened)."""
+    res = ok(run_engine(work, {"watch": [work["tiny"]], "dump": str(work["root"] / "disk.pt")}))
+    assert weight_files_opened(res), "the open watcher saw no weight file opened by a disk load"
+    return res
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
