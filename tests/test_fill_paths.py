@@ -205,7 +205,10 @@ def test_cpu_fill_into_memfd_arena_sends_file_pages(ckpt, monkeypatch, refuse):
     want = reference(ckpt, 1, 2, None)
     assert all(torch.equal(views[n], want[n]) for n in want)
     contiguous = sum(p.nbytes for p in src.plan_reads(views)[0])  # slices (last-dim splits) are copied
-    assert len(calls) == 1 if refuse else sum(a[3] for a in calls) == contiguous
+    if refuse:  # each fill thread may meet the refusal once before the source stops trying
+        assert 1 <= len(calls) <= max(1, src.threads)
+    else:
+        assert sum(a[3] for a in calls) == contiguous
     assert src._sendfile_ok is not refuse
     for b in blocks:
         b.close()
