@@ -32,11 +32,11 @@ demo: $(STAMP)
 	$(BIN)/weightcache demo
 
 test: $(VLLM_STAMP)
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 
 clean:
 	rm -rf $(VENV)
