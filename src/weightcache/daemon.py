@@ -169,12 +169,15 @@ class Daemon:
             for b in blocks:
                 b.close()
             raise
-        for spec, b in zip(manifest.blocks, blocks, strict=True):
+        self._blocks = blocks
+        self._describe_blocks(manifest)
+        return [b.tensor for b in blocks]
+
+    def _describe_blocks(self, manifest: Manifest) -> None:
+        for spec, b in zip(manifest.blocks, self._blocks, strict=True):
             spec.nbytes = b.nbytes  # rounded up to the page / VMM granularity
         manifest.device = self.device.type
         manifest.gpu_uuid = self._gpu_uuid
-        self._blocks = blocks
-        return [b.tensor for b in blocks]
 
     def _finish(self, manifest: Manifest, t0: float) -> None:
         self._sample_peak()  # the sampler thread may not have run since the arena was allocated
@@ -336,7 +339,6 @@ class Daemon:
                     torch.cuda.synchronize(self.device)
                 for i in members:
                     kept += release_storage(spans[i][0])
-                    spans[i] = None
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()  # hand the freed memory back to the driver for the next block
         except BaseException:
@@ -344,10 +346,7 @@ class Daemon:
                 b.close()
             self._blocks = []
             raise
-        for spec, b in zip(manifest.blocks, self._blocks, strict=True):
-            spec.nbytes = b.nbytes
-        manifest.device = self.device.type
-        manifest.gpu_uuid = self._gpu_uuid
+        self._describe_blocks(manifest)
         if kept:
             log.info("%.1f MiB of source storage could not be released early (not resizable)", kept / 2**20)
 

@@ -192,7 +192,7 @@ def capture_block_bytes(total: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> i
     """Block size when packing consumes its sources (``Daemon.load_tensors(release=True)``): about a
     sixteenth of the weights, so one block in flight adds at most ~6% to the peak, between 256 MiB and
     ``block_bytes``."""
-    return max(min(block_bytes, _align(-(-total // 16), 2 << 20)), min(block_bytes, 256 << 20))
+    return min(block_bytes, max(_align(-(-total // 16), 2 << 20), 256 << 20))
 
 
 def release_storage(t: torch.Tensor) -> int:
