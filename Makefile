@@ -9,7 +9,7 @@ export DO_NOT_TRACK=1
 export VLLM_HOST_IP=127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: venv vllm demo test lint clean stage-vllm stage-loaders
+.PHONY: venv vllm demo test lint clean stage-vllm stage-loaders stage-deps
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,3 +52,7 @@ stage-vllm:
 
 stage-loaders:
 	$(BUNDLE) tools/bundles/loaders-h200.toml --out .devcarry/loaders
+
+# weightcache's own dependencies (msgspec, fastapi, uvicorn, ...): GPU runs that come before the vLLM bundle
+stage-deps:
+	$(BUNDLE) tools/bundles/weightcache-h200.toml --out .devcarry/wcdeps

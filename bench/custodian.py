@@ -33,6 +33,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def with_src_on_path() -> dict:
+    """The environment with this checkout's src/ first on PYTHONPATH, keeping what it had (staged packages)."""
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *([old] if old else [])])}
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -58,7 +64,7 @@ class Preload:
                "--dtype", a.dtype, "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", str(port)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, start_new_session=True)
+                                     env=with_src_on_path(), start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout: float = 3600) -> float:

@@ -25,6 +25,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def with_src_on_path() -> dict:
+    """The environment with this checkout's src/ first on PYTHONPATH, keeping what it had (staged packages)."""
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *([old] if old else [])])}
 sys.path.insert(0, str(ROOT / "src"))
 
 SHAPES = {  # config.json contents (the architectures' own names)
@@ -117,7 +123,7 @@ def run(name: str, runs: int, work: Path) -> dict:
         rows = []
         for i in range(runs):
             out = subprocess.run([sys.executable, "-c", ENGINE.format(model=str(model_dir), sockdir=sockdir)],
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                                 capture_output=True, text=True, env=with_src_on_path())
             if out.returncode:
                 raise RuntimeError(out.stderr[-3000:])
             r = json.loads(out.stdout.strip().splitlines()[-1])

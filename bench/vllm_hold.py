@@ -115,7 +115,8 @@ def main(argv=None) -> int:
             if "READY" in line:
                 break
         else:
-            raise SystemExit(f"preload failed, see {work / 'preload.log'}")
+            log.flush()
+            raise SystemExit(f"preload failed:\n{(work / 'preload.log').read_text()[-4000:]}")
         preload_s = time.perf_counter() - t
     try:
         st = query_status(next(Path(sock).glob("main-r0-*.sock")))

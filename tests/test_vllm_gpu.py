@@ -3,9 +3,12 @@ arenas, NCCL groups) and engines started with `--load-format weightcache`, each 
 configuration loading from disk: greedy tokens, every reachable tensor byte for byte, the weight files never
 opened by an attaching engine, the KV cache's capacity.
 
-Runs wherever CUDA and vLLM are both present (skipped elsewhere):
+Runs wherever CUDA and vLLM are both present (skipped elsewhere). Every engine but the KV-capacity test's gets a
+fixed KV cache (vLLM then skips its memory profiling, which counts other processes' allocations as its own), so the
+tests can run side by side on one GPU; the KV-capacity test must run alone:
 
-    python -m pytest -q -m "gpu and vllm" tests/test_vllm_gpu.py
+    python -m pytest -q -m "gpu and vllm" tests/test_vllm_gpu.py -n 6 --dist loadgroup -k "not kv_cache"
+    python -m pytest -q -m "gpu and vllm" tests/test_vllm_gpu.py -k kv_cache
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 # head_dim 64 and dimensions multiple of 128: FP8 GEMMs and FlashAttention take them as they are.
 DENSE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, num_layers=2, vocab_size=512,
              dtype=torch.bfloat16)
+# a fixed KV cache (and a low utilization for vLLM's free-memory check at start-up): engines can share the GPU
+SHARED_GPU = {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.15}
+SHARED_GPU_FLAGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.15"]
 MOE = dict(hidden_size=256, num_layers=2, num_experts=8, experts_per_token=2, moe_intermediate_size=128,
            num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=512)
 
@@ -47,7 +53,7 @@ MOE = dict(hidden_size=256, num_layers=2, num_experts=8, experts_per_token=2, mo
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllmgpu")
-    w = new_work(root, tiny=str(make_llama_checkpoint(root / "tiny", seed=0, **DENSE)),
+    w = new_work(root, SHARED_GPU, tiny=str(make_llama_checkpoint(root / "tiny", seed=0, **DENSE)),
                  tiny2=str(make_llama_checkpoint(root / "tiny2", seed=1, **DENSE)))
     yield w
     cleanup(w)
@@ -76,6 +82,7 @@ def _same_as_disk(work, name: str, model: str, sd: str, **spec) -> tuple[dict, d
     return ref, res
 
 
+@pytest.mark.xdist_group("main")
 def test_bf16_dense(work, daemons, disk):
     res = ok(run_engine(work, {"load_format": "weightcache", "extra": {"socket_dir": daemons.sockdir},
                                "watch": [work["tiny"]], "dump": str(work["root"] / "attach.pt")}))
@@ -96,10 +103,11 @@ def test_online_fp8_dense(work):
         pre.stop()
 
 
-@pytest.mark.parametrize("arch, quantization", [("qwen3_moe", None), ("qwen3_moe", "fp8"), ("mixtral", None)])
+@pytest.mark.parametrize("arch, quantization", [("qwen3_moe", None), ("qwen3_moe", "fp8"), ("mixtral", None),
+                                                ("mixtral", "fp8")])
 def test_moe(work, arch, quantization):
     model = str(make_moe_checkpoint(work["root"] / f"moe-{arch}", arch, **MOE))
-    sd = sockdir(work, f"moe{quantization or ''}")
+    sd = sockdir(work, f"moe{arch}{quantization or ''}")
     flags = ["--quantization", quantization] if quantization else []
     pre = Preload(work, model, sd, *flags)
     try:
@@ -109,6 +117,7 @@ def test_moe(work, arch, quantization):
         pre.stop()
 
 
+@pytest.mark.xdist_group("main")
 def test_draft_model_attaches_from_the_draft_group(work, daemons, disk):
     spec = draft_spec(work)
     ref = ok(run_engine(work, {"speculative_config": spec}))
@@ -142,7 +151,7 @@ def test_kv_cache_capacity_is_the_disk_loads(work):
     pre = Preload(work, model, sd)
     try:
         weights = query_status(pre.sockets()[0]).nbytes
-        spec = {"model": model, "gpu_memory_utilization": 0.5}
+        spec = {"model": model, "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": None}  # sized by vLLM
         ref = ok(run_engine(work, spec))
         res = ok(run_engine(work, {**spec, "load_format": "weightcache", "extra": {"socket_dir": sd}}))
         assert res["attached"] and res["tokens"] == ref["tokens"]
@@ -161,5 +170,5 @@ def _kv_bytes_per_block(shape: dict, block_size: int) -> int:
 
 
 def test_openai_server_keeps_serving_after_the_daemons_and_supervisor_die(work, disk):
-    openai_server_survives_daemon_kill(work, work["tiny"], disk["tokens"], "--gpu-memory-utilization", "0.3",
-                                       "--enforce-eager", engine_flags=VLLM_FLAGS)
+    openai_server_survives_daemon_kill(work, work["tiny"], disk["tokens"], *SHARED_GPU_FLAGS, "--enforce-eager",
+                                       engine_flags=VLLM_FLAGS)

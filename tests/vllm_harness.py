@@ -26,8 +26,10 @@ def vllm_env(root: Path) -> dict:
     return env
 
 
-def new_work(root: Path, **models: str) -> dict:
-    return {"root": root, **models, "env": vllm_env(root), "results": {}, "dirs": []}
+def new_work(root: Path, spec_defaults: dict | None = None, **models: str) -> dict:
+    """spec_defaults: merged into every engine's spec (an explicit key in a spec wins; None unsets it)."""
+    return {"root": root, **models, "env": vllm_env(root), "results": {}, "dirs": [],
+            "spec_defaults": dict(spec_defaults or {})}
 
 
 def cleanup(work: dict) -> None:
@@ -84,7 +86,8 @@ class Preload:
 
 
 def run_engine(work, spec: dict, *, env: dict | None = None, timeout: float = 420.0) -> dict:
-    spec = {"model": work["tiny"], **spec}
+    spec = {"model": work["tiny"], **work.get("spec_defaults", {}), **spec}
+    spec = {k: v for k, v in spec.items() if v is not None}
     r = subprocess.run([sys.executable, RUNNER, json.dumps(spec)], capture_output=True, text=True,
                        env={**work["env"], **(env or {})}, timeout=timeout)
     return result_of(r.stdout, r.stderr)

@@ -4,7 +4,8 @@
 speculative_config, prompts, max_tokens, watch (directories whose files' opens are recorded with inotify),
 dump (torch.save the engine's state there, see ``engine_state``), reload (kwargs for vLLM's
 ``reload_weights``, then generate again), external_memory (call the loader's hook), gpu_memory_utilization,
-quantization, enforce_eager (default true), max_model_len, ep (expert parallel). The result also has the KV cache's blocks.
+quantization, enforce_eager (default true), max_model_len, ep (expert parallel), kv_cache_memory_bytes (a fixed KV
+cache: vLLM skips its memory profiling, so engines can share a GPU). The result also has the KV cache's blocks.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def main(spec: dict) -> dict:
         kw["quantization"] = spec["quantization"]
     if spec.get("ep"):
         kw["enable_expert_parallel"] = True
+    if spec.get("kv_cache_memory_bytes"):
+        kw["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
     if spec.get("extra") is not None:
