@@ -102,3 +102,22 @@ def test_peak_device_memory_of_packing(sockdir, consume):
             assert peak >= 0.9 * weights, peak
     finally:
         d.close()
+
+
+def test_load_time_counts_from_when_the_engine_began_building(sockdir):
+    """A source passes when its engine's loader began: the reported load time and rate cover the whole build
+    (reading, quantizing, post-processing), not only the packing that follows it."""
+    import time
+
+    from weightcache.daemon import Daemon
+
+    tensors = {"w": torch.ones(1 << 16)}
+    d = Daemon(os.path.join(sockdir, "r0.sock"), KEY)
+    d.start()
+    try:
+        d.load_tensors(tensors, consume=True, began=time.monotonic() - 2.0)
+        st = wc.query_status(os.path.join(sockdir, "r0.sock"))
+        assert st.state == "ready" and 2.0 <= st.load_seconds < 30
+        assert st.load_bytes_per_second == pytest.approx(st.nbytes / st.load_seconds, rel=0.05)
+    finally:
+        d.close()

@@ -63,6 +63,42 @@ def test_hf_blob_names_are_reused(tmp_path):
     assert wkey.file_digest(snap / "model.safetensors") == "sha256:" + sha
 
 
+def test_files_are_hashed_in_parallel_and_in_order(tmp_path, monkeypatch, caplog):
+    import hashlib
+    import logging
+    import threading
+
+    paths = []
+    for i, size in enumerate([3 << 20, 1 << 10, 5 << 20, 0]):
+        p = tmp_path / f"model-{i}.safetensors"
+        p.write_bytes(os.urandom(size))
+        paths.append(p)
+    real = wkey._sha256_file
+    meet = threading.Barrier(3, timeout=10)  # three hashes must be under way at once, or this breaks
+
+    def hash_together(path):
+        if path.stat().st_size >= 1 << 10:
+            meet.wait()
+        return real(path)
+
+    monkeypatch.setattr(wkey, "_sha256_file", hash_together)
+    monkeypatch.setattr(wkey, "_LOG_HASHING_FROM", 0)
+    with caplog.at_level(logging.INFO, logger="weightcache.key"):
+        got = wkey.file_digests(paths)
+    assert got == ["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert "hashing 0.0 GB in 4 checkpoint file(s)" in caplog.text and "GB/s" in caplog.text
+
+
+def test_one_hashing_thread_is_enough(tmp_path, monkeypatch):
+    monkeypatch.setattr(wkey, "HASH_THREADS", 1)
+    d = _ckpt(tmp_path / "a", 0)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other-cache"))
+    one = checkpoint_digest(d)
+    monkeypatch.setattr(wkey, "HASH_THREADS", 16)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "third-cache"))
+    assert checkpoint_digest(d) == one
+
+
 def test_missing_checkpoint_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no weight files"):
         checkpoint_digest(tmp_path)

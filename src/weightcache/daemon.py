@@ -296,14 +296,15 @@ class Daemon:
             raise
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str] | None = None, *,
-                     consume: bool = False) -> None:
+                     consume: bool = False, began: float | None = None) -> None:
         """Pack existing tensors (storage sharing, strides and offsets kept).
 
         With ``consume``, the tensors are the engine's freshly built weights and are consumed: blocks are
         allocated one at a time, each filled from the source storages and then those storages are freed
         (resized to 0 bytes, whoever else still refers to them), so the peak stays near 1x the weights plus
-        one block (``capture_block_bytes``)."""
-        t0 = self._load_t0 = time.monotonic()
+        one block (``capture_block_bytes``). ``began`` (``time.monotonic()``): when the engine's loader started
+        building them, so the load time and rate reported cover the whole load, not only the packing."""
+        t0 = self._load_t0 = time.monotonic() if began is None else began
         try:
             manifest, spans = plan_for_tensors(tensors, roles, self.block_bytes, consume=consume)
             self._total = sum(end - start for _, start, end in spans)

@@ -150,19 +150,28 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _download(vllm_config) -> None:
-    """Fetch Hugging Face models once, here: every daemon (and engine) derives its key from the local files."""
-    import os
-
-    from vllm.model_executor.model_loader import get_model_loader
-
+def _model_configs(vllm_config) -> list:
     configs = [vllm_config.model_config]
     spec = vllm_config.speculative_config
     if spec is not None and spec.draft_model_config is not None:
         configs.append(spec.draft_model_config)
-    for mc in configs:
+    return configs
+
+
+def _download_and_hash(vllm_config) -> None:
+    """Fetch Hugging Face models once, here, and hash their files once, here: every daemon (and engine)
+    derives its key from the local files and then only stat()s them (the digest cache)."""
+    import os
+
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from .key import checkpoint_digest
+    from .sources.vllm import local_checkpoint_dir
+
+    for mc in _model_configs(vllm_config):
         if not os.path.isdir(str(mc.model)):
             get_model_loader(vllm_config.load_config).download_model(mc)
+        checkpoint_digest(local_checkpoint_dir(mc))
 
 
 def _preload(args) -> int:
@@ -180,7 +189,7 @@ def _preload(args) -> int:
     warn_if_untested()
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
-    _download(vllm_config)
+    _download_and_hash(vllm_config)
     groups = plan_groups(args, vllm_config)
     socket_dir = _socket_dir(args.weight_cache_socket_dir, [g.role for g in groups],
                              max(g.layout.world_size for g in groups), groups[0].layout.device_type)

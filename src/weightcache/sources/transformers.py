@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -175,6 +176,7 @@ class TransformersSource:
             if p.tp_size > 1:
                 _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
                 dist_config = distributed_config_for(p, self.enable_expert_parallel)
+            began = time.monotonic()
             model, seen = build_model(self.path, dtype=self.dtype, device=self.device,
                                       attn_implementation=self.attn_implementation,
                                       experts_implementation=self.experts_implementation,
@@ -186,7 +188,7 @@ class TransformersSource:
         except BaseException as e:
             daemon.fail(f"{type(e).__name__}: {e}")
             raise
-        daemon.load_tensors(tensors, roles, consume=True)
+        daemon.load_tensors(tensors, roles, consume=True, began=began)
         del tensors, model  # every source storage was freed once packed
         gc.collect()
         if self.device.type == "cuda":

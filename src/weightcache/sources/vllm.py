@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -402,6 +403,7 @@ class VllmSource:
             with set_current_vllm_config(cfg):
                 ensure_model_parallel_initialized(cfg.parallel_config.tensor_parallel_size,
                                                   cfg.parallel_config.pipeline_parallel_size)
+                began = time.monotonic()
                 model, before = build_model(cfg, model_config, prefix=prefix)
             tensors, roles = capture(model, before)
             del before
@@ -410,7 +412,7 @@ class VllmSource:
         except BaseException as e:
             daemon.fail(f"{type(e).__name__}: {e}")
             raise
-        daemon.load_tensors(tensors, roles, consume=True)
+        daemon.load_tensors(tensors, roles, consume=True, began=began)
         # The weights live in the arena now (each source storage was freed once packed): drop the model
         # (attention layers sit in the config's context).
         del tensors, model
