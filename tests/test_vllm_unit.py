@@ -250,7 +250,8 @@ def test_budget_shim_wraps_request_memory_only_for_weightcache(monkeypatch):
 
     calls = []
     fake = types.SimpleNamespace(request_memory=lambda snap, cc: calls.append("original") or 123)
-    vllm_compat._wrap_request_memory(fake)
+    vllm_compat._wrap_request_memory(fake, lambda load_config, c: WeightCacheModelLoader(load_config)
+                                     .get_external_weight_memory(c))
     snap = types.SimpleNamespace(total_memory=100 << 30, free_memory=90 << 30)
     cache = types.SimpleNamespace(gpu_memory_utilization=0.5)
     cfg = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto", model_loader_extra_config={}))

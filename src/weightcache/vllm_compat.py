@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import math
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger("vllm.weightcache")
 
@@ -126,13 +127,14 @@ def engine_budget(total: int, free: int, utilization: float, external: int) -> i
 
 GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _shim_state = {"installed": False}
+ExternalMemory = Callable[[object, object], int]  # (load_config, vllm_config) -> bytes the daemons hold for it
 
 
-def install_memory_budget_shim() -> bool:
+def install_memory_budget_shim(external_memory: ExternalMemory) -> bool:
     """On a vLLM whose GPU worker does not ask the loader for external weight memory, wrap its budget
-    function (for ``--load-format weightcache`` the daemons' bytes come out of the budget) as soon as the
-    GPU worker module is imported: never importing it here (plugins load early, in every vLLM process).
-    Returns whether the shim is (or will be) in place."""
+    function (for ``--load-format weightcache`` the daemons' bytes, as ``external_memory`` reports them,
+    come out of the budget) as soon as the GPU worker module is imported: never importing it here (plugins
+    load early, in every vLLM process). Returns whether the shim is (or will be) in place."""
     if _shim_state["installed"]:
         return True
     if has_external_memory_hook():
@@ -140,14 +142,17 @@ def install_memory_budget_shim() -> bool:
     _shim_state["installed"] = True
     module = sys.modules.get(GPU_WORKER)
     if module is not None:
-        _wrap_request_memory(module)
+        _wrap_request_memory(module, external_memory)
     else:
-        sys.meta_path.insert(0, _WrapOnImport())
+        sys.meta_path.insert(0, _WrapOnImport(external_memory))
     return True
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Wraps the GPU worker module's request_memory right after the module is executed."""
+
+    def __init__(self, external_memory: ExternalMemory):
+        self.external_memory = external_memory
 
     def find_spec(self, name, path, target=None):
         if name != GPU_WORKER:
@@ -160,13 +165,13 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_wrap(module):
             exec_module(module)
-            _wrap_request_memory(module)
+            _wrap_request_memory(module, self.external_memory)
 
         spec.loader.exec_module = exec_then_wrap
         return spec
 
 
-def _wrap_request_memory(gpu_worker) -> None:
+def _wrap_request_memory(gpu_worker, external_memory: ExternalMemory) -> None:
     original = getattr(gpu_worker, "request_memory", None)
     if original is None:
         log.warning("this vLLM's GPU worker has neither get_external_weight_memory nor request_memory: the KV "
@@ -181,9 +186,7 @@ def _wrap_request_memory(gpu_worker) -> None:
         load_config = getattr(cfg, "load_config", None)
         if getattr(load_config, "load_format", None) != "weightcache":
             return original(init_snapshot, cache_config, *args, **kwargs)
-        from .engines.vllm_loader import WeightCacheModelLoader
-
-        external = WeightCacheModelLoader(load_config).get_external_weight_memory(cfg)
+        external = external_memory(load_config, cfg)
         if not external:
             return original(init_snapshot, cache_config, *args, **kwargs)
         engine = engine_budget(init_snapshot.total_memory, init_snapshot.free_memory,

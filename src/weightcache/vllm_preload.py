@@ -34,7 +34,7 @@ def _strip_engine(argv: list[str]) -> list[str]:
 
 
 def add_weight_cache_arguments(p) -> None:
-    from .cli import DEFAULT_HEALTH_HOST, _port, _port_or_zero, add_custodian_arguments
+    from .preload_common import DEFAULT_HEALTH_HOST, _port, _port_or_zero, add_custodian_arguments
 
     g = p.add_argument_group("weight cache")
     g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
@@ -74,9 +74,9 @@ def _layout(vllm_config, role: str, tp: int):
     import torch
     from vllm.platforms import current_platform
 
-    from .cli import UsageError
     from .errors import LayoutError
     from .layout import Layout
+    from .preload_common import UsageError
 
     pc = vllm_config.parallel_config
     device_type = "cpu" if current_platform.is_cpu() else "cuda"
@@ -98,7 +98,7 @@ def plan_groups(args, vllm_config) -> list:
     """The daemon groups (main, and draft with a draft model) for this node."""
     from vllm.utils.network_utils import get_open_port
 
-    from .cli import UsageError
+    from .preload_common import UsageError
     from .sources import vllm as src
     from .supervisor import Group
 
@@ -135,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .cli import configure_logging
+    from .preload_common import configure_logging
 
     configure_logging(args.weight_cache_log_level)
     try:
         return _preload(args)
     except Exception as e:
-        from .cli import UsageError
         from .errors import WeightCacheError
+        from .preload_common import UsageError
 
         if isinstance(e, (UsageError, WeightCacheError, ValueError)):
             print(f"weightcache preload: error: {e}", file=sys.stderr)
@@ -177,7 +177,7 @@ def _download_and_hash(vllm_config) -> None:
 def _preload(args) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
-    from .cli import UsageError, _socket_dir, run_supervisor
+    from .preload_common import UsageError, _socket_dir, run_supervisor
 
     if args.model_tag is not None:
         args.model = args.model_tag

@@ -22,4 +22,6 @@ def register() -> None:
     _registered = True
     from ..vllm_compat import install_memory_budget_shim
 
-    install_memory_budget_shim()  # only where vLLM lacks get_external_weight_memory
+    # only where vLLM lacks get_external_weight_memory
+    install_memory_budget_shim(lambda load_config, cfg: WeightCacheModelLoader(load_config)
+                               .get_external_weight_memory(cfg))
