@@ -76,10 +76,10 @@ def test_files_are_hashed_in_parallel_and_in_order(tmp_path, monkeypatch, caplog
     real = wkey._sha256_file
     meet = threading.Barrier(3, timeout=10)  # three hashes must be under way at once, or this breaks
 
-    def hash_together(path):
+    def hash_together(path, progress=None):
         if path.stat().st_size >= 1 << 10:
             meet.wait()
-        return real(path)
+        return real(path, progress)
 
     monkeypatch.setattr(wkey, "_sha256_file", hash_together)
     monkeypatch.setattr(wkey, "_LOG_HASHING_FROM", 0)
@@ -87,6 +87,8 @@ def test_files_are_hashed_in_parallel_and_in_order(tmp_path, monkeypatch, caplog
         got = wkey.file_digests(paths)
     assert got == ["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
     assert "hashing 0.0 GB in 4 checkpoint file(s)" in caplog.text and "GB/s" in caplog.text
+    total = sum(p.stat().st_size for p in paths)
+    assert f"hashing the checkpoint: {total / 1e9:.2f} / {total / 1e9:.2f} GB (100%)" in caplog.text  # progress
 
 
 def test_one_hashing_thread_is_enough(tmp_path, monkeypatch):

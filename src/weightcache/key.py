@@ -10,12 +10,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import torch
 
 from .errors import KeyMismatch
+from .progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +124,13 @@ def _hf_blob_digest(path: Path) -> str | None:
     return None
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
             h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return "sha256:" + h.hexdigest()
 
 
@@ -142,10 +146,14 @@ def _hash_files(paths: list[Path], sizes: list[int]) -> list[str]:
                  total / 1e9, len(paths))
     t = time.perf_counter()
     threads = max(1, min(len(paths), HASH_THREADS))  # a cold disk needs reads in flight beyond the cores
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wc-hash") as pool:
-        # largest first: the longest hashes start at once
-        order = sorted(range(len(paths)), key=lambda i: -sizes[i])
-        done = dict(zip(order, pool.map(_sha256_file, [paths[i] for i in order]), strict=True))
+    meter = Progress(total, "hashing the checkpoint", total >= _LOG_HASHING_FROM, log)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wc-hash") as pool:
+            # largest first: the longest hashes start at once
+            order = sorted(range(len(paths)), key=lambda i: -sizes[i])
+            done = dict(zip(order, pool.map(lambda i: _sha256_file(paths[i], meter.update), order), strict=True))
+    finally:
+        meter.close()
     if total >= _LOG_HASHING_FROM:
         dt = time.perf_counter() - t
         log.info("hashed %.1f GB in %.1f s (%.2f GB/s, %d thread(s))", total / 1e9, dt, total / 1e9 / dt, threads)

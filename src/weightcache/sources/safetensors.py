@@ -19,9 +19,7 @@ import logging
 import math
 import os
 import struct
-import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 
 from ..key import dtype_name
 from ..manifest import TensorMeta
+from ..progress import Progress
 from .read_plan import PAGE, Piece, Segment, order_segments, plan_segments
 from .reading import CheckpointError, read_into, run_workers
 from .tp_plan import ShardSpec, TPPlan, TPPlanError, resolve_plan
@@ -337,7 +336,7 @@ class SafetensorsSource:
             raise CheckpointError("io='instanttensor' loads into CUDA memory only; this source fills CPU views")
         pieces, slices = self.plan_reads(views)
         total = sum(p.nbytes for p in pieces) + sum(j.nbytes for j in slices)
-        meter = _Progress(total, f"{self.model_dir.name} tp{self.tp_rank}/{self.tp_size}", self.show_progress)
+        meter = Progress(total, f"{self.model_dir.name} tp{self.tp_rank}/{self.tp_size}", self.show_progress, log)
         lock = threading.Lock()
 
         def report(n: int) -> None:
@@ -556,51 +555,6 @@ class SafetensorsSource:
                 self._sendfile_ok = False
                 return False
             raise CheckpointError(f"{p.file}: read of tensor {p.name!r} failed: {e}") from e
-
-
-class _Progress:
-    """A tqdm bar (bytes, rate, ETA) on a TTY, otherwise a log line every few seconds."""
-
-    def __init__(self, total: int, label: str, enabled: bool, interval: float = 5.0):
-        self.total, self.label, self.interval = total, label, interval
-        self.done = 0
-        self.t0 = self.last = time.monotonic()
-        self.bar = None
-        self.enabled = enabled and total > 0
-        if self.enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(  # the rate shown is the average since the start (smoothing=0), in GB/s
-                total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, dynamic_ncols=True,
-                smoothing=0,
-            )
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            self._log(now)
-
-    def _log(self, now: float) -> None:
-        dt = max(now - self.t0, 1e-9)
-        rate = self.done / dt
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        log.info(
-            "%s: %.2f / %.2f GB (%.0f%%), %.2f GB/s, ETA %.0fs",
-            self.label, self.done / 1e9, self.total / 1e9, 100.0 * self.done / self.total, rate / 1e9, eta,
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            self._log(time.monotonic())
 
 
 __all__ = ["SafetensorsSource", "CheckpointError", "TPPlanError", "checkpoint_entries", "read_header"]
