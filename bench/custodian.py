@@ -33,15 +33,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def with_src_on_path() -> dict:
-    """The environment with this checkout's src/ first on PYTHONPATH, keeping what it had (staged packages)."""
-    old = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *([old] if old else [])])}
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from child_env import with_src_on_path  # noqa: E402
 from restart import digest_and_warm, ensure_checkpoint, preset_shapes, warm_page_cache  # noqa: E402
 
 

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,12 +140,12 @@ _LOG_HASHING_FROM = 1 << 30
 def _hash_files(paths: list[Path], sizes: list[int]) -> list[str]:
     """sha256 of several files at once, one thread a file (hashlib and reads release the GIL)."""
     total = sum(sizes)
-    if total >= _LOG_HASHING_FROM:
-        log.info("hashing %.1f GB in %d checkpoint file(s) for the cache key (once: remembered by stat)",
-                 total / 1e9, len(paths))
-    t = time.perf_counter()
     threads = max(1, min(len(paths), HASH_THREADS))  # a cold disk needs reads in flight beyond the cores
-    meter = Progress(total, "hashing the checkpoint", total >= _LOG_HASHING_FROM, log)
+    shown = total >= _LOG_HASHING_FROM
+    if shown:
+        log.info("hashing %.1f GB in %d checkpoint file(s) for the cache key, %d thread(s) (once: remembered "
+                 "by stat)", total / 1e9, len(paths), threads)
+    meter = Progress(total, "hashing the checkpoint", shown, log)  # its last line gives the rate
     try:
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wc-hash") as pool:
             # largest first: the longest hashes start at once
@@ -154,9 +153,6 @@ def _hash_files(paths: list[Path], sizes: list[int]) -> list[str]:
             done = dict(zip(order, pool.map(lambda i: _sha256_file(paths[i], meter.update), order), strict=True))
     finally:
         meter.close()
-    if total >= _LOG_HASHING_FROM:
-        dt = time.perf_counter() - t
-        log.info("hashed %.1f GB in %.1f s (%.2f GB/s, %d thread(s))", total / 1e9, dt, total / 1e9 / dt, threads)
     return [done[i] for i in range(len(paths))]
 
 
