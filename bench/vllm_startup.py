@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -73,13 +74,20 @@ def engine_run(spec: dict) -> dict:
             "kv_blocks": cache.num_gpu_blocks, "tokens": list(out[0].outputs[0].token_ids)}
 
 
+LOAD_LINE = re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) s")
+
+
 def _run_engine(spec: dict, env: dict) -> dict:
     env = {**env, "WC_SPAWNED_AT": repr(time.time())}
     r = subprocess.run([sys.executable, __file__, "--engine-run", json.dumps(spec)], capture_output=True,
                        text=True, env=env, timeout=1800)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            res = json.loads(line[7:])
+            if res["load"] is None:  # the engine core ran in its own process: take vLLM's own log line
+                m = LOAD_LINE.search(r.stderr + r.stdout)
+                res["load"] = float(m.group(1)) if m else None
+            return res
     raise RuntimeError(f"engine run failed:\n{r.stderr[-3000:]}")
 
 
@@ -155,7 +163,8 @@ def main(argv=None) -> int:
                "daemon_peak_device_bytes": st.peak_device_bytes, **base}
         for method, rs in res.items():
             for k in ("startup", "load", "first_token"):
-                row[f"{method}_{k}"] = statistics.median(r[k] for r in rs)
+                vals = [r[k] for r in rs if r[k] is not None]
+                row[f"{method}_{k}"] = statistics.median(vals) if vals else float("nan")
             row[f"{method}_all"] = [round(r["first_token"], 3) for r in rs]
             row[f"{method}_kv_blocks"] = sorted({r["kv_blocks"] for r in rs})
         rows.append(row)

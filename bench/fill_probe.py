@@ -1,0 +1,208 @@
+"""Rates of the parts of a CUDA fill from the page cache, each alone: where does a load's time go?
+
+    python bench/fill_probe.py --file-gb 8 --dir /dev/shm/wcprobe --threads 16
+
+Parts: allocating pinned staging buffers, preadv into pinned buffers (the CPU copy), memcpy from the file's
+mapping into pinned buffers, pinned -> device, the staged pipeline with buffers allocated up front,
+cuMemHostRegister of the page cache (per range and the whole file), and register + copy. Prints a table
+and writes bench/results/fill-probe-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _file(path: Path, nbytes: int) -> None:
+    if path.exists() and path.stat().st_size == nbytes:
+        return
+    block = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8).numpy().tobytes()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+
+
+def _parallel(threads: int, chunks: list, work) -> float:
+    """Seconds for ``threads`` workers to run ``work(worker_index, chunk)`` over every chunk."""
+    lock = threading.Lock()
+    it = iter(chunks)
+    errors = []
+
+    def run(i):
+        try:
+            while True:
+                with lock:
+                    c = next(it, None)
+                if c is None:
+                    return
+                work(i, c)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--file-gb", type=float, default=8.0)
+    ap.add_argument("--dir", default="/dev/shm/wcprobe")
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--register-mb", type=int, default=128)
+    ap.add_argument("--keep", action="store_true", help="keep the probe file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fill_probe needs CUDA", file=sys.stderr)
+        return 2
+    from cuda.bindings import driver as cu
+
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "probe.bin"
+    chunk = args.chunk_mb * MiB
+    nbytes = int(args.file_gb * 1e9) // (64 * MiB) * (64 * MiB)
+    _file(path, nbytes)
+    os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_WILLNEED)
+    torch.cuda.init()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    mapped = torch.frombuffer(memoryview(mm), dtype=torch.uint8)  # read-only view (warning is expected)
+    addr = mapped.data_ptr()
+    offs = list(range(0, nbytes, chunk))
+    rows = []
+
+    def row(name, seconds, nb=nbytes, note=""):
+        rows.append({"part": name, "bytes": nb, "seconds": seconds, "gb_per_s": nb / seconds / 1e9, "note": note})
+        print(f"  {name:<44} {nb / 1e9:7.2f} GB {seconds:7.3f} s {nb / seconds / 1e9:7.1f} GB/s  {note}", flush=True)
+
+    nbuf = args.threads * 2
+    t = time.perf_counter()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
+    row("pinned alloc (torch, fresh)", time.perf_counter() - t, nbuf * chunk, f"{nbuf} x {args.chunk_mb} MiB")
+    streams = [torch.cuda.Stream() for _ in range(args.threads)]
+
+    def pread(i, off):
+        os.preadv(fd, [memoryview(bufs[i].numpy())], off)
+
+    row("preadv -> pinned (CPU copy only)", _parallel(args.threads, offs, pread))
+
+    def memcpy(i, off):
+        bufs[i].copy_(mapped[off : off + chunk])
+
+    row("mmap memcpy -> pinned (CPU copy only)", _parallel(args.threads, offs, memcpy))
+
+    def h2d(i, off):
+        with torch.cuda.stream(streams[i]):
+            dev[off : off + chunk].copy_(bufs[i], non_blocking=True)
+        streams[i].synchronize()
+
+    row("pinned -> device (no CPU copy)", _parallel(args.threads, offs, h2d))
+
+    events = [[torch.cuda.Event(), torch.cuda.Event()] for _ in range(args.threads)]
+    turn = [0] * args.threads
+
+    def staged(i, off):
+        k = turn[i]
+        turn[i] ^= 1
+        b, ev = bufs[2 * i + k], events[i][k]
+        ev.synchronize()
+        os.preadv(fd, [memoryview(b.numpy())], off)
+        with torch.cuda.stream(streams[i]):
+            dev[off : off + chunk].copy_(b, non_blocking=True)
+        ev.record(streams[i])
+
+    row("staged pipeline (preadv, buffers up front)", _parallel(args.threads, offs, staged), note="depth 2")
+
+    def staged_mm(i, off):
+        k = turn[i]
+        turn[i] ^= 1
+        b, ev = bufs[2 * i + k], events[i][k]
+        ev.synchronize()
+        b.copy_(mapped[off : off + chunk])
+        with torch.cuda.stream(streams[i]):
+            dev[off : off + chunk].copy_(b, non_blocking=True)
+        ev.record(streams[i])
+
+    row("staged pipeline (mmap memcpy, buffers up front)", _parallel(args.threads, offs, staged_mm), note="depth 2")
+
+    reg = args.register_mb * MiB
+    roffs = list(range(0, nbytes, reg))
+
+    def register_only(i, off):
+        n = min(reg, nbytes - off)
+        err, = cu.cuMemHostRegister(addr + off, n, 0x08)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemHostRegister: {err}")
+        cu.cuMemHostUnregister(addr + off)
+
+    try:
+        row(f"cuMemHostRegister {args.register_mb} MiB ranges (no copy)", _parallel(args.threads, roffs, register_only))
+        row(f"cuMemHostRegister {args.register_mb} MiB ranges, 1 thread", _parallel(1, roffs, register_only))
+
+        def register_copy(i, off):
+            n = min(reg, nbytes - off)
+            err, = cu.cuMemHostRegister(addr + off, n, 0x08)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemHostRegister: {err}")
+            cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), addr + off, n,
+                                 cu.CUstream(streams[i].cuda_stream))
+            streams[i].synchronize()
+            cu.cuMemHostUnregister(addr + off)
+
+        row(f"register + copy {args.register_mb} MiB ranges", _parallel(args.threads, roffs, register_copy))
+        t = time.perf_counter()
+        err, = cu.cuMemHostRegister(addr, nbytes, 0x08)
+        t_reg = time.perf_counter() - t
+        row("cuMemHostRegister whole file", t_reg)
+
+        def copy_registered(i, off):
+            cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), addr + off, min(chunk, nbytes - off),
+                                 cu.CUstream(streams[i].cuda_stream))
+            streams[i].synchronize()
+
+        row("copy from the registered file", _parallel(args.threads, offs, copy_registered))
+        t = time.perf_counter()
+        cu.cuMemHostUnregister(addr)
+        row("cuMemHostUnregister whole file", time.perf_counter() - t)
+    except Exception as e:  # noqa: BLE001
+        print(f"  register rows skipped: {type(e).__name__}: {e}")
+    ok = bool(torch.equal(dev[:chunk].cpu(), mapped[:chunk]))
+    print(f"  last copy checked: {'ok' if ok else 'MISMATCH'}")
+    out = ROOT / "bench" / "results" / f"fill-probe-{torch.cuda.get_device_name(0).split()[-1].lower()}.json"
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "cpus": os.cpu_count(),
+                               "torch": torch.__version__, "args": vars(args), "checked": ok, "rows": rows},
+                              indent=2))
+    print(f"wrote {out}")
+    mapped = None  # the view must go before the mapping closes
+    mm.close()
+    os.close(fd)
+    if not args.keep:
+        path.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
