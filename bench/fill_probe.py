@@ -35,13 +35,18 @@ def _file(path: Path, nbytes: int) -> None:
 
 
 def _parallel(threads: int, chunks: list, work) -> float:
-    """Seconds for ``threads`` workers to run ``work(worker_index, chunk)`` over every chunk."""
+    """Seconds for ``threads`` workers to run ``work(worker_index, chunk)`` over every chunk (each with the
+    caller's CUDA context current, for the driver calls)."""
+    from cuda.bindings import driver as cu
+
+    _, ctx = cu.cuCtxGetCurrent()
     lock = threading.Lock()
     it = iter(chunks)
     errors = []
 
     def run(i):
         try:
+            cu.cuCtxSetCurrent(ctx)
             while True:
                 with lock:
                     c = next(it, None)
@@ -102,6 +107,20 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
     row("pinned alloc (torch, fresh)", time.perf_counter() - t, nbuf * chunk, f"{nbuf} x {args.chunk_mb} MiB")
+    for huge in (True, False):
+        t = time.perf_counter()
+        area = mmap.mmap(-1, nbuf * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            area.madvise(mmap.MADV_HUGEPAGE)
+        view = torch.frombuffer(area, dtype=torch.uint8)
+        view.fill_(0)
+        err, = cu.cuMemHostRegister(view.data_ptr(), nbuf * chunk, 0x01)
+        row(f"mmap{' + huge pages' if huge else ''} + fill + cuMemHostRegister", time.perf_counter() - t,
+            nbuf * chunk, str(err).split(".")[-1].rstrip(">"))
+        if err == cu.CUresult.CUDA_SUCCESS:
+            cu.cuMemHostUnregister(view.data_ptr())
+        del view
+        area.close()
     streams = [torch.cuda.Stream() for _ in range(args.threads)]
 
     def pread(i, off):

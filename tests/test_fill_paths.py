@@ -237,6 +237,32 @@ def test_io_from_environment(ckpt, monkeypatch):
         SafetensorsSource(ckpt, progress=False)
 
 
+@pytest.mark.parametrize("case", ["warm", "cold", "disk", "tp2", "absent", "cpu", "staged"])
+def test_auto_reads_with_instanttensor_only_where_it_wins(ckpt, monkeypatch, case):
+    """auto into CUDA memory: InstantTensor for one rank with every file on tmpfs, the plain path otherwise
+    (on a disk's page cache InstantTensor reads with O_DIRECT)."""
+    from weightcache.sources import filemap
+    from weightcache.sources import instanttensor as it_reader
+
+    monkeypatch.setattr(it_reader, "available", lambda: case != "absent")
+    monkeypatch.setattr(filemap, "in_memory_fs", lambda path: case != "disk")
+    if case == "cold":
+        monkeypatch.setattr(filemap, "resident_fraction", lambda path, samples=256: 0.0)
+    tp = dict(tp_rank=0, tp_size=2, tp_plan=PLAN) if case == "tp2" else {}
+    src = SafetensorsSource(ckpt, io="staged" if case == "staged" else "auto", progress=False, **tp)
+    want = {"warm": "instanttensor", "cpu": "cpu"}.get(case, "cuda")
+    assert src.reader(cuda=case != "cpu") == want
+
+
+def test_auto_without_instanttensor_when_a_tensor_is_in_two_files(ckpt, monkeypatch):
+    from weightcache.sources import instanttensor as it_reader
+
+    monkeypatch.setattr(it_reader, "available", lambda: True)
+    src = SafetensorsSource(ckpt, progress=False)
+    monkeypatch.setattr(src, "files_without_duplicates", lambda: (_ for _ in ()).throw(CheckpointError("dup")))
+    assert src.reader(cuda=True) == "cuda"
+
+
 def test_instanttensor_needs_cuda_views(ckpt):
     src = SafetensorsSource(ckpt, io="instanttensor", progress=False)
     with pytest.raises(CheckpointError, match="CUDA memory only"):
@@ -331,6 +357,7 @@ def fake_cuda(monkeypatch):
 
 
 def cuda_fill_run(ckpt, r, dtype=None, **kw):
+    kw.setdefault("hugepages", False)  # registrations counted below are the file's own
     src = SafetensorsSource(ckpt, tp_rank=r, tp_size=2, tp_plan=PLAN, dtype=dtype, progress=False, **kw)
     views = views_for(src)
     pieces, slices = src.plan_reads(views)
@@ -352,6 +379,12 @@ def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
         assert modes == {"register" if io == "auto" else io} or (io == "direct" and modes == {"staged"})
     assert fake_cuda.live == {}  # every registration released
     assert (fake_cuda.registrations > 0) == (io in ("register", "auto"))
+
+
+def test_cuda_fill_auto_copies_tmpfs_files_through_staging(ckpt, fake_cuda, monkeypatch):
+    monkeypatch.setattr(cuda_fill, "in_memory_fs", lambda path: True)
+    fill = cuda_fill_run(ckpt, 0, io="auto", threads=2, chunk_bytes=2 * PAGE)
+    assert set(fill.modes.values()) == {"staged"} and fake_cuda.registrations == 0
 
 
 def test_cuda_fill_dtype_cast_and_cold_auto(ckpt, fake_cuda, monkeypatch):

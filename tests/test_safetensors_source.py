@@ -65,9 +65,19 @@ LLAMA_DIMS = {  # transformers' Llama plan: q/k/v/gate/up colwise (dim 0), o/dow
 }
 
 
+def transformers_shards_embedding(model_dir) -> bool:
+    """Whether this transformers' plan for the checkpoint makes the input embedding vocab-parallel: releases
+    up to 5.19 did so for tied embeddings only, later ones (``model.embed_tokens: embedding_rowwise``) always."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return dict(model.tp_plan).get("model.embed_tokens") == "embedding_rowwise"
+
+
 def llama_dim(name, tied=False):
     if tied and name == "model.embed_tokens.weight":
-        return 0  # transformers makes a tied input embedding vocab-parallel (embedding_rowwise)
+        return 0  # vocab-parallel input embedding (embedding_rowwise)
     for suffix, d in LLAMA_DIMS.items():
         if name.endswith(suffix):
             return d
@@ -86,7 +96,7 @@ def test_tp_shards_concatenate_to_original(request, which, tp):
         assert set(src.tensors) == set(full)
         ranks.append(fill(src))
     for name, t in full.items():
-        d = llama_dim(name, tied=which == "llama_sharded") if tp > 1 else None
+        d = llama_dim(name, tied=transformers_shards_embedding(path)) if tp > 1 else None
         if d is None:
             for v in ranks:
                 assert torch.equal(v[name], t), name
@@ -245,7 +255,8 @@ def test_transformers_plan_for_llama(llama):
     assert plan.style("lm_head.weight") == "colwise_gather_output"
     assert plan.style("model.norm.weight") is None
     assert plan.embeddings == {"model.embed_tokens"}
-    assert plan.style("model.embed_tokens.weight") is None
+    want = "embedding_rowwise" if transformers_shards_embedding(llama) else None
+    assert plan.style("model.embed_tokens.weight") == want
 
 
 def test_transformers_plan_tied_embedding_is_vocab_parallel(llama_sharded):

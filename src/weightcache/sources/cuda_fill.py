@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from .filemap import DIRECT_ALIGN, FileMap, open_direct
+from .filemap import DIRECT_ALIGN, RESIDENT, FileMap, in_memory_fs, open_direct
 from .read_plan import Segment, plan_segments
 from .reading import CheckpointError, read_into, run_workers
 
 log = logging.getLogger(__name__)
 
-WARM_IO = "register"  # auto: a file in the page cache
+WARM_IO = "register"  # auto: a disk file in the page cache
+MEMORY_IO = "staged"  # auto: a file on tmpfs/ramfs (page-locking its pages measured slower than copying)
 COLD_IO = "direct"  # auto: a file mostly not in the page cache
-RESIDENT = 0.5  # auto: "in the page cache" from this fraction of sampled pages
 HUGE = 2 << 20
 _REGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE
@@ -172,7 +172,7 @@ class CudaFill:
                 except OSError as e:
                     raise CheckpointError(f"cannot map checkpoint file {f}: {e}") from e
             if io == "auto":
-                mode = WARM_IO if fm.resident_fraction() >= RESIDENT else COLD_IO
+                mode = COLD_IO if fm.resident_fraction() < RESIDENT else MEMORY_IO if in_memory_fs(f) else WARM_IO
             if mode == "register" and why_not:
                 if io == "register":
                     log.warning("cannot register %s for DMA (%s); copying through staging buffers", f.name, why_not)
@@ -259,7 +259,7 @@ class CudaFill:
                     slot.buf = slot.buf_owner.tensor
                 except Exception as e:  # noqa: BLE001
                     self._huge_failed = True
-                    log.warning("huge-page staging buffers unavailable (%s); using pinned memory", e)
+                    log.info("huge-page staging buffers unavailable (%s); using pinned memory", e)
             if slot.buf is None:
                 slot.buf = self._pinned(self.stage_bytes)
         return slot.buf
@@ -379,4 +379,4 @@ class CudaFill:
             slot.drain(self.report)
 
 
-__all__ = ["COLD_IO", "WARM_IO", "CudaFill", "register_supported"]
+__all__ = ["COLD_IO", "MEMORY_IO", "WARM_IO", "CudaFill", "register_supported"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 PAGE = mmap.PAGESIZE
 DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of any logical block size in use
+RESIDENT = 0.5  # "in the page cache" from this fraction of sampled pages (the auto io choices)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -19,7 +20,10 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.statfs.restype = ctypes.c_int
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+IN_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type
 
 
 class FileMap:
@@ -73,6 +77,14 @@ class FileMap:
 def resident_fraction(path: Path | str, samples: int = 256) -> float:
     with FileMap(path) as m:
         return m.resident_fraction(samples)
+
+
+def in_memory_fs(path: Path | str) -> bool:
+    """The file lives on tmpfs or ramfs (``/dev/shm``): its pages are the file, not a cache of a disk."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) comes first
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in IN_MEMORY_FS
 
 
 def drop_from_page_cache(path: Path | str) -> None:

@@ -9,12 +9,21 @@ reuses the buffer. It reads whole tensors: a tensor-parallel rank reads every by
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 
 from .reading import CheckpointError
+
+
+def available() -> bool:
+    """InstantTensor is importable here (it needs CUDA; ``auto`` uses it only then)."""
+    try:
+        return importlib.util.find_spec("instanttensor") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def shard_of(full: torch.Tensor, t, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -58,4 +67,4 @@ def fill_with_instanttensor(source, views: Mapping[str, torch.Tensor], report: C
         raise CheckpointError(f"InstantTensor yielded no data for {len(missing)} tensor(s), e.g. {min(missing)!r}")
 
 
-__all__ = ["fill_with_instanttensor", "shard_of"]
+__all__ = ["available", "fill_with_instanttensor", "shard_of"]

@@ -36,7 +36,8 @@ from .tp_plan import ShardSpec, TPPlan, TPPlanError, resolve_plan
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100 << 20
-DEFAULT_CHUNK_BYTES = 64 << 20  # per staging buffer and read (segment), `depth` buffers per thread
+DEFAULT_CHUNK_BYTES = 16 << 20  # per staging buffer and read (segment), `depth` buffers per thread
+DEFAULT_HUGEPAGES = True  # staging buffers in huge pages: page-locked 2x faster than torch's pinned memory
 DEFAULT_REGISTER_BYTES = 128 << 20  # per page-locked range of a file (io="register")
 DEFAULT_THREADS = 16
 DEFAULT_DEPTH = 2  # copies in flight per thread
@@ -222,8 +223,9 @@ class SafetensorsSource:
 
     How bytes reach the destination (``io``; default: $WEIGHTCACHE_LOAD_IO, else "auto"):
 
-    * ``auto``: into CPU memory, ``preadv`` into the destination; into CUDA memory, per file, ``register``
-      when the file is in the page cache and ``direct`` when it is not
+    * ``auto``: into CPU memory, ``sendfile``/``preadv`` into the destination; into CUDA memory, InstantTensor
+      for one rank whose files are all on tmpfs where it is installed (``reader``), else per file: ``staged``
+      on tmpfs, ``register`` for a disk file in the page cache, ``direct`` for one that is not
     * ``register`` (CUDA): page-lock the page-cache pages of each ``register_bytes`` range (read-only
       cuMemHostRegister) and copy from them; falls back to ``staged`` where the driver refuses
     * ``staged`` (CUDA): ``preadv`` into pinned staging buffers of ``chunk_bytes``, then copy
@@ -233,7 +235,8 @@ class SafetensorsSource:
 
     ``threads`` workers, each with ``depth`` copies in flight on ``streams`` CUDA streams (1..depth);
     ``order`` "file" or "interleave" (round robin over the files); ``hugepages`` puts staging buffers in
-    transparent huge pages (registered with CUDA) instead of torch's pinned memory.
+    transparent huge pages (registered with CUDA) instead of torch's pinned memory (the default: on the H200
+    they page-lock 2x faster; where the kernel has none, pinned memory).
     """
 
     def __init__(
@@ -254,7 +257,7 @@ class SafetensorsSource:
         depth: int = DEFAULT_DEPTH,
         streams: int = 1,
         order: str = "file",
-        hugepages: bool = False,
+        hugepages: bool = DEFAULT_HUGEPAGES,
     ):
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
@@ -346,7 +349,7 @@ class SafetensorsSource:
                     progress(n)
 
         try:
-            if self.io == "instanttensor":
+            if self.reader(cuda) == "instanttensor":
                 from .instanttensor import fill_with_instanttensor
 
                 fill_with_instanttensor(self, views, report)
@@ -361,6 +364,29 @@ class SafetensorsSource:
                 self.last_modes = {f.name: how for f in {p.file for p in pieces}}
         finally:
             meter.close()
+
+    def reader(self, cuda: bool) -> str:
+        """What reads the files: "instanttensor", "cuda" (CudaFill) or "cpu". ``auto`` into CUDA memory takes
+        InstantTensor where it is installed and was measured faster than the plain path (docs/benchmarks.md):
+        one rank (it reads whole tensors), every file on tmpfs/ramfs and in memory. Page-cached files of a
+        disk it reads with O_DIRECT (measured 25x slower than ours there)."""
+        if self.io == "instanttensor":
+            return "instanttensor"
+        if not cuda:
+            return "cpu"
+        if self.io != "auto" or self.tp_size != 1:
+            return "cuda"
+        from .filemap import RESIDENT, in_memory_fs, resident_fraction
+        from .instanttensor import available
+
+        if not available():
+            return "cuda"
+        try:
+            files = self.files_without_duplicates()
+            warm = all(in_memory_fs(f) and resident_fraction(f) >= RESIDENT for f in files)
+        except (CheckpointError, OSError):
+            return "cuda"
+        return "instanttensor" if warm else "cuda"
 
     def work_items(self, pieces: list[Piece], slices: list[SliceJob],
                    segment_bytes: Callable[[Path], int]) -> list[Segment | SliceJob]:
