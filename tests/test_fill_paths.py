@@ -263,6 +263,34 @@ def test_auto_without_instanttensor_when_a_tensor_is_in_two_files(ckpt, monkeypa
     assert src.reader(cuda=True) == "cuda"
 
 
+@pytest.mark.parametrize("chosen_by_auto", [True, False])
+def test_instanttensor_failure_falls_back_only_under_auto(ckpt, monkeypatch, caplog, chosen_by_auto):
+    from weightcache.sources import instanttensor as it_reader
+
+    def half_then_fail(src, views, report):
+        report(src.nbytes // 2)
+        raise CheckpointError("InstantTensor failed to read: out of memory for its ring buffer")
+
+    monkeypatch.setattr(it_reader, "fill_with_instanttensor", half_then_fail)
+    src = SafetensorsSource(ckpt, progress=False)
+    got, plain = [], []
+
+    def fallback(report):  # the plain path: every byte again
+        plain.append(True)
+        for _ in range(4):
+            report(src.nbytes // 4)
+        report(src.nbytes % 4)
+
+    if not chosen_by_auto:
+        with pytest.raises(CheckpointError, match="ring buffer"):
+            src.read_with_instanttensor({}, got.append)
+        return
+    with caplog.at_level(logging.WARNING):
+        src.read_with_instanttensor({}, got.append, fallback=fallback)
+    assert plain == [True] and sum(got) == src.nbytes  # progress counts each byte once
+    assert any("reading with weightcache's own path" in r.getMessage() for r in caplog.records)
+
+
 def test_instanttensor_needs_cuda_views(ckpt):
     src = SafetensorsSource(ckpt, io="instanttensor", progress=False)
     with pytest.raises(CheckpointError, match="CUDA memory only"):

@@ -348,22 +348,54 @@ class SafetensorsSource:
                 if progress is not None:
                     progress(n)
 
+        def plain_cuda(rep: Callable[[int], None]) -> None:
+            from .cuda_fill import CudaFill
+
+            CudaFill(self, views, pieces, slices, rep).run()
+
         try:
             if self.reader(cuda) == "instanttensor":
-                from .instanttensor import fill_with_instanttensor
-
-                fill_with_instanttensor(self, views, report)
-                self.last_modes = {f.name: "instanttensor" for f in {t.entry.file for t in self.tensors.values()}}
+                self.read_with_instanttensor(views, report, fallback=plain_cuda if self.io == "auto" else None)
             elif cuda:
-                from .cuda_fill import CudaFill
-
-                CudaFill(self, views, pieces, slices, report).run()
+                plain_cuda(report)
             else:
                 self._run_cpu(views, self.work_items(pieces, slices, lambda f: self.chunk_bytes), report)
                 how = "sendfile" if self._sendfile_ok else "preadv"
                 self.last_modes = {f.name: how for f in {p.file for p in pieces}}
         finally:
             meter.close()
+
+    def read_with_instanttensor(self, views: Mapping[str, torch.Tensor], report: Callable[[int], None],
+                                fallback: Callable[[Callable[[int], None]], None] | None = None) -> None:
+        """InstantTensor reads; where ``auto`` chose it (``fallback`` given) and it fails, the plain path reads
+        everything again, its progress counted from where InstantTensor's stopped."""
+        from .instanttensor import fill_with_instanttensor
+
+        sent = 0
+
+        def counted(n: int) -> None:
+            nonlocal sent
+            sent += n
+            report(n)
+
+        try:
+            fill_with_instanttensor(self, views, counted)
+        except CheckpointError as e:
+            if fallback is None:
+                raise
+            log.warning("%s: InstantTensor failed (%s); reading with weightcache's own path", self.model_dir.name, e)
+            skip = sent
+
+            def rest(n: int) -> None:
+                nonlocal skip
+                k = min(skip, n)
+                skip -= k
+                if n > k:
+                    report(n - k)
+
+            fallback(rest)
+            return
+        self.last_modes = {f.name: "instanttensor" for f in {t.entry.file for t in self.tensors.values()}}
 
     def reader(self, cuda: bool) -> str:
         """What reads the files: "instanttensor", "cuda" (CudaFill) or "cpu". ``auto`` into CUDA memory takes
