@@ -493,3 +493,30 @@ def test_daemon_sigterm_removes_socket(sockdir):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert not os.path.exists(_sock(sockdir))
+
+
+def test_watch_forgets_from_a_finalizer_while_it_holds_its_lock():
+    """A GC pass inside the watch's add() (creating its thread) can run an earlier Attachment's finalizer on
+    the same thread, which forgets that attachment's connection: it must not wait for the lock it holds."""
+    import socket
+
+    from weightcache.client import _Watch
+
+    watch = _Watch()
+    a, b = socket.socketpair()
+    lost = []
+    try:
+        watch.add(a, lambda: lost.append(a))
+
+        def finalizer_inside_add():
+            with watch._lock:
+                watch.forget_and_close(a)
+
+        t = threading.Thread(target=finalizer_inside_add, daemon=True)
+        t.start()
+        t.join(timeout=5)
+        assert not t.is_alive(), "forget() deadlocked on the watch's own lock"
+        assert a.fileno() == -1 and not watch._sel.get_map() and lost == []
+    finally:
+        a.close()
+        b.close()

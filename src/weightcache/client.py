@@ -148,7 +148,8 @@ class _Watch:
 
     def __init__(self):
         self._sel = selectors.DefaultSelector()
-        self._lock = threading.Lock()
+        # reentrant: an Attachment's finalizer (forget) can run from a GC pass inside add() on the same thread
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()  # a forked child shares the epoll instance: it leaves it alone
 
