@@ -88,11 +88,11 @@ def main(argv=None) -> int:
     chunk = args.chunk_mb * MiB
     nbytes = int(args.file_gb * 1e9) // (64 * MiB) * (64 * MiB)
     _file(path, nbytes)
-    os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_WILLNEED)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     torch.cuda.init()
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
     mapped = torch.frombuffer(memoryview(mm), dtype=torch.uint8)  # read-only view (warning is expected)
     addr = mapped.data_ptr()
