@@ -11,17 +11,20 @@ and writes bench/results/fill-probe-<device>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from weightcache.sources.reading import run_workers  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -35,35 +38,21 @@ def _file(path: Path, nbytes: int) -> None:
 
 
 def _parallel(threads: int, chunks: list, work) -> float:
-    """Seconds for ``threads`` workers to run ``work(worker_index, chunk)`` over every chunk (each with the
-    caller's CUDA context current, for the driver calls)."""
+    """Seconds for ``threads`` workers (the source's own ``run_workers``) to run ``work(worker_index, chunk)``
+    over every chunk, each with the caller's CUDA context current, for the driver calls."""
     from cuda.bindings import driver as cu
 
     _, ctx = cu.cuCtxGetCurrent()
-    lock = threading.Lock()
-    it = iter(chunks)
-    errors = []
+    ids = itertools.count()
 
-    def run(i):
-        try:
-            cu.cuCtxSetCurrent(ctx)
-            while True:
-                with lock:
-                    c = next(it, None)
-                if c is None:
-                    return
-                work(i, c)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def worker(next_item):
+        i = next(ids)
+        cu.cuCtxSetCurrent(ctx)
+        while (c := next_item()) is not None:
+            work(i, c)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     t = time.perf_counter()
-    for x in ts:
-        x.start()
-    for x in ts:
-        x.join()
-    if errors:
-        raise errors[0]
+    run_workers(threads, chunks, worker)
     torch.cuda.synchronize()
     return time.perf_counter() - t
 
@@ -123,15 +112,15 @@ def main(argv=None) -> int:
         area.close()
     streams = [torch.cuda.Stream() for _ in range(args.threads)]
 
-    def pread(i, off):
-        os.preadv(fd, [memoryview(bufs[i].numpy())], off)
+    def pread_into(b, off):
+        os.preadv(fd, [memoryview(b.numpy())], off)
 
-    row("preadv -> pinned (CPU copy only)", _parallel(args.threads, offs, pread))
+    def memcpy_into(b, off):
+        b.copy_(mapped[off : off + chunk])
 
-    def memcpy(i, off):
-        bufs[i].copy_(mapped[off : off + chunk])
-
-    row("mmap memcpy -> pinned (CPU copy only)", _parallel(args.threads, offs, memcpy))
+    row("preadv -> pinned (CPU copy only)", _parallel(args.threads, offs, lambda i, off: pread_into(bufs[i], off)))
+    row("mmap memcpy -> pinned (CPU copy only)",
+        _parallel(args.threads, offs, lambda i, off: memcpy_into(bufs[i], off)))
 
     def h2d(i, off):
         with torch.cuda.stream(streams[i]):
@@ -143,38 +132,36 @@ def main(argv=None) -> int:
     events = [[torch.cuda.Event(), torch.cuda.Event()] for _ in range(args.threads)]
     turn = [0] * args.threads
 
-    def staged(i, off):
-        k = turn[i]
-        turn[i] ^= 1
-        b, ev = bufs[2 * i + k], events[i][k]
-        ev.synchronize()
-        os.preadv(fd, [memoryview(b.numpy())], off)
-        with torch.cuda.stream(streams[i]):
-            dev[off : off + chunk].copy_(b, non_blocking=True)
-        ev.record(streams[i])
+    def staged_with(copy_in):
+        def staged(i, off):
+            k = turn[i]
+            turn[i] ^= 1
+            b, ev = bufs[2 * i + k], events[i][k]
+            ev.synchronize()
+            copy_in(b, off)
+            with torch.cuda.stream(streams[i]):
+                dev[off : off + chunk].copy_(b, non_blocking=True)
+            ev.record(streams[i])
 
-    row("staged pipeline (preadv, buffers up front)", _parallel(args.threads, offs, staged), note="depth 2")
+        return staged
 
-    def staged_mm(i, off):
-        k = turn[i]
-        turn[i] ^= 1
-        b, ev = bufs[2 * i + k], events[i][k]
-        ev.synchronize()
-        b.copy_(mapped[off : off + chunk])
-        with torch.cuda.stream(streams[i]):
-            dev[off : off + chunk].copy_(b, non_blocking=True)
-        ev.record(streams[i])
-
-    row("staged pipeline (mmap memcpy, buffers up front)", _parallel(args.threads, offs, staged_mm), note="depth 2")
+    row("staged pipeline (preadv, buffers up front)", _parallel(args.threads, offs, staged_with(pread_into)),
+        note="depth 2")
+    row("staged pipeline (mmap memcpy, buffers up front)", _parallel(args.threads, offs, staged_with(memcpy_into)),
+        note="depth 2")
 
     reg = args.register_mb * MiB
     roffs = list(range(0, nbytes, reg))
 
-    def register_only(i, off):
+    def register(off) -> int:
         n = min(reg, nbytes - off)
         err, = cu.cuMemHostRegister(addr + off, n, 0x08)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemHostRegister: {err}")
+        return n
+
+    def register_only(i, off):
+        register(off)
         cu.cuMemHostUnregister(addr + off)
 
     try:
@@ -182,10 +169,7 @@ def main(argv=None) -> int:
         row(f"cuMemHostRegister {args.register_mb} MiB ranges, 1 thread", _parallel(1, roffs, register_only))
 
         def register_copy(i, off):
-            n = min(reg, nbytes - off)
-            err, = cu.cuMemHostRegister(addr + off, n, 0x08)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemHostRegister: {err}")
+            n = register(off)
             cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), addr + off, n,
                                  cu.CUstream(streams[i].cuda_stream))
             streams[i].synchronize()
