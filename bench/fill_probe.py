@@ -11,6 +11,7 @@ and writes bench/results/fill-probe-<device>.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import mmap
@@ -23,9 +24,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from weightcache.sources.filemap import FileMap  # noqa: E402
 from weightcache.sources.reading import run_workers  # noqa: E402
 
 MiB = 1 << 20
+MADV_POPULATE_READ = 22
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _file(path: Path, nbytes: int) -> None:
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
         rows.append({"part": name, "bytes": nb, "seconds": seconds, "gb_per_s": nb / seconds / 1e9, "note": note})
         print(f"  {name:<44} {nb / 1e9:7.2f} GB {seconds:7.3f} s {nb / seconds / 1e9:7.1f} GB/s  {note}", flush=True)
 
-    nbuf = args.threads * 2
+    nbuf = max(args.threads * 2, 48)  # the memmove rows run up to 24 threads with 2 buffers each
     t = time.perf_counter()
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
     row("pinned alloc (torch, fresh)", time.perf_counter() - t, nbuf * chunk, f"{nbuf} x {args.chunk_mb} MiB")
@@ -149,6 +154,119 @@ def main(argv=None) -> int:
         note="depth 2")
     row("staged pipeline (mmap memcpy, buffers up front)", _parallel(args.threads, offs, staged_with(memcpy_into)),
         note="depth 2")
+
+    # libc memmove out of a fresh mapping of the file each row (its page faults are part of the cost)
+    def memmove_rows(threads: int, chunk_mb: int, populate: bool = False, staged: bool = False,
+                     register_workers: int = 0):
+        c = chunk_mb * MiB
+        fm = FileMap(path)
+        coffs = list(range(0, nbytes, c))
+        turns = [0] * threads
+        evs = [[torch.cuda.Event(), torch.cuda.Event()] for _ in range(threads)]
+        strs = [torch.cuda.Stream() for _ in range(threads)]
+
+        def work(i, off):
+            n = min(c, nbytes - off)
+            if i < register_workers:  # register, queue the copy, unregister two ranges later
+                err, = cu.cuMemHostRegister(fm.addr + off, n, 0x08)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuMemHostRegister: {err}")
+                cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), fm.addr + off, n,
+                                     cu.CUstream(strs[i].cuda_stream))
+                ev = torch.cuda.Event()
+                ev.record(strs[i])
+                pending[i].append((ev, fm.addr + off))
+                if len(pending[i]) > 2:
+                    ev, a = pending[i].pop(0)
+                    ev.synchronize()
+                    cu.cuMemHostUnregister(a)
+                return
+            k = turns[i]
+            turns[i] ^= 1
+            b = bufs[(2 * i + k) % len(bufs)] if staged else bufs[i % len(bufs)]
+            if staged:
+                evs[i][k].synchronize()
+            if populate:
+                _libc.madvise(fm.addr + off, n, MADV_POPULATE_READ)
+            ctypes.memmove(b.data_ptr(), fm.addr + off, n)
+            if staged:
+                with torch.cuda.stream(strs[i]):
+                    dev[off : off + n].copy_(b[:n], non_blocking=True)
+                evs[i][k].record(strs[i])
+
+        pending = [[] for _ in range(threads)]
+        secs = _parallel(threads, coffs, work)
+        for q in pending:
+            for _, a in q:
+                cu.cuMemHostUnregister(a)
+        t = time.perf_counter()
+        fm.close()
+        what = (f"{'hybrid: ' + str(register_workers) + ' register + ' if register_workers else ''}"
+                f"{'staged memmove' if staged else 'memmove -> pinned'}{' + populate' if populate else ''}")
+        row(f"{what}, {threads} thr, {chunk_mb} MiB", secs, note=f"munmap {time.perf_counter() - t:.3f} s")
+
+    for threads, cmb in ((16, 16), (16, 64), (8, 16), (24, 16), (32, 4)):
+        memmove_rows(threads, cmb)
+    memmove_rows(16, 16, populate=True)
+    for threads, cmb in ((16, 16), (16, 4), (24, 16)):
+        memmove_rows(threads, cmb, staged=True)
+    for threads, rw in ((16, 1), (16, 2), (16, 4), (17, 1), (18, 2)):
+        memmove_rows(threads, 16, staged=True, register_workers=rw)
+    memmove_rows(16, 64, staged=True, register_workers=1)
+    def pageable_row(threads: int, chunk_mb: int):
+        c = chunk_mb * MiB
+        fm = FileMap(path)
+        strs = [torch.cuda.Stream() for _ in range(threads)]
+
+        def work(i, off):
+            n = min(c, nbytes - off)
+            cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), fm.addr + off, n,
+                                 cu.CUstream(strs[i].cuda_stream))
+            strs[i].synchronize()
+
+        row(f"pageable mapping -> device (driver staging), {threads} thr, {chunk_mb} MiB",
+            _parallel(threads, list(range(0, nbytes, c)), work))
+        fm.close()
+
+    pageable_row(16, 16)
+
+    # one thread: torch's parallel copy (intra-op threads) into a few small windows, then the DMA: the staging
+    # stays in the CPU cache
+    from weightcache.sources.cuda_fill import _HugeStaging
+
+    def window_row(chunk_mb: int, windows: int, nstreams: int = 1):
+        c = chunk_mb * MiB
+        fm = FileMap(path)
+        src = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(fm.addr), dtype=torch.uint8)
+        stage = _HugeStaging(windows * c)
+        evs = [torch.cuda.Event() for _ in range(windows)]
+        strs = [torch.cuda.Stream() for _ in range(nstreams)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for k, off in enumerate(range(0, nbytes, c)):
+            w = k % windows
+            evs[w].synchronize()
+            n = min(c, nbytes - off)
+            win = stage.tensor[w * c : w * c + n]
+            win.copy_(src[off : off + n])
+            st = strs[k % nstreams]
+            cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dev.data_ptr() + off), win.data_ptr(), n, cu.CUstream(st.cuda_stream))
+            evs[w].record(st)
+        torch.cuda.synchronize()
+        row(f"1 thread, parallel copy into {windows} x {chunk_mb} MiB, {nstreams} stream(s)", time.perf_counter() - t,
+            note=f"{torch.get_num_threads()} intra-op threads")
+        src = None
+        stage.close()
+        fm.close()
+
+    for cmb, w, ns in ((2, 8, 1), (4, 4, 1), (4, 8, 1), (8, 4, 1), (8, 4, 2), (16, 4, 1), (32, 3, 1), (1, 16, 1)):
+        window_row(cmb, w, ns)
+    ok_w = bool(torch.equal(dev[-chunk:].cpu(), mapped[nbytes - chunk :]))
+    print(f"  window rows checked: {'ok' if ok_w else 'MISMATCH'}")
+
+    torch.set_num_threads(1)
+    row("torch copy_ (1 intra-op thread) -> pinned", _parallel(args.threads, offs, lambda i, off: memcpy_into(bufs[i], off)))
+    torch.set_num_threads(os.cpu_count())
 
     reg = args.register_mb * MiB
     roffs = list(range(0, nbytes, reg))

@@ -21,8 +21,8 @@ Warm (page cache), methods (--methods):
 
 --sweep runs SafetensorsSource with other options in the same run: "h200" (a grid for one GPU) or specs
 such as "io=register,threads=8,register_mb=256;io=staged,depth=3,streams=3". Keys: io, threads, chunk_mb,
-register_mb, depth, streams, order (file|interleave), hugepages (0|1), sendfile (0: CPU arena filled with preadv
-through its mapping instead of sendfile into its memfd).
+register_mb, depth, streams, order (file|interleave), hugepages (0|1; else the source's default), stage_read
+(pipeline|memcpy|preadv), window_mb and windows (the pipeline's), sendfile (0: CPU arena filled with preadv through its mapping instead of sendfile into its memfd).
 
 Cold (--cold-dir on a real disk, --cold-gb): a second checkpoint is written there, and before each load its
 pages are dropped from the page cache (posix_fadvise DONTNEED per file, else /proc/sys/vm/drop_caches); the
@@ -63,27 +63,19 @@ from weightcache.sources.filemap import drop_from_page_cache, resident_fraction 
 from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
-SWEEP_H200 = [  # (name, options): the old default first, then one change at a time, then combinations
-    "io=staged,threads=16,chunk_mb=64,depth=2",
-    "io=staged,threads=16,chunk_mb=64,depth=3,streams=3",
-    "io=staged,threads=16,chunk_mb=32,depth=4,streams=2",
-    "io=staged,threads=16,chunk_mb=64,depth=2,hugepages=1",
-    "io=staged,threads=16,chunk_mb=64,depth=2,order=interleave",
-    "io=register,threads=4,register_mb=128",
-    "io=register,threads=8,register_mb=64",
-    "io=register,threads=8,register_mb=128",
-    "io=register,threads=8,register_mb=256",
-    "io=register,threads=16,register_mb=64",
+SWEEP_H200 = [  # the plain path's previous default first, then the pipeline's windows, then the workers' copies
+    "io=staged,stage_read=preadv,chunk_mb=16",
+    "io=staged,window_mb=16,windows=4",
+    "io=staged,window_mb=8,windows=4",
+    "io=staged,window_mb=64,windows=2",
+    "io=staged,window_mb=32,windows=4",
+    "io=staged,stage_read=memcpy,chunk_mb=16",
+    "io=staged,stage_read=memcpy,chunk_mb=8",
     "io=register,threads=16,register_mb=128",
-    "io=register,threads=16,register_mb=256",
-    "io=register,threads=16,register_mb=1024",
-    "io=register,threads=16,register_mb=128,depth=3,streams=3",
-    "io=register,threads=16,register_mb=128,order=interleave",
-    "io=register,threads=8,register_mb=128,depth=1",
-    "io=register,threads=4,register_mb=4096",
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
-              "order": str, "hugepages": int, "sendfile": int}
+              "order": str, "hugepages": int, "sendfile": int, "stage_read": str,
+              "window_mb": int, "windows": int}
 
 
 def sync(device: torch.device) -> None:
@@ -235,8 +227,14 @@ def parse_spec(text: str) -> dict:
 
 def source_kwargs(opts: dict, args) -> dict:
     kw = {"threads": opts.get("threads", args.threads), "io": opts.get("io"), "depth": opts.get("depth", 2),
-          "streams": opts.get("streams", 1), "order": opts.get("order", "file"),
-          "hugepages": bool(opts.get("hugepages", 0))}
+          "streams": opts.get("streams", 1), "order": opts.get("order", "file")}
+    if "hugepages" in opts:
+        kw["hugepages"] = bool(opts["hugepages"])
+    for key in ("stage_read", "windows"):
+        if key in opts:
+            kw[key] = opts[key]
+    if "window_mb" in opts:
+        kw["window_bytes"] = opts["window_mb"] << 20
     if "chunk_mb" in opts or args.chunk_mb:
         kw["chunk_bytes"] = (opts.get("chunk_mb") or args.chunk_mb) << 20
     if "register_mb" in opts:

@@ -232,31 +232,43 @@ def test_io_from_environment(ckpt, monkeypatch):
     monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "mmap")
     assert SafetensorsSource(ckpt, progress=False).io == "mmap"
     assert SafetensorsSource(ckpt, io="staged", progress=False).io == "staged"
+    with pytest.raises(ValueError, match="stage_read must be one of"):
+        SafetensorsSource(ckpt, stage_read="mmap", progress=False)
+    with pytest.raises(ValueError, match="windows must be a positive int"):
+        SafetensorsSource(ckpt, windows=0, progress=False)
+    with pytest.raises(ValueError, match="window_bytes must be a positive multiple"):
+        SafetensorsSource(ckpt, window_bytes=1000, progress=False)
     monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "fast")
     with pytest.raises(ValueError, match="io must be one of"):
         SafetensorsSource(ckpt, progress=False)
 
 
+@pytest.mark.parametrize("prefer", [True, False])
 @pytest.mark.parametrize("case", ["warm", "cold", "disk", "tp2", "absent", "cpu", "staged"])
-def test_auto_reads_with_instanttensor_only_where_it_wins(ckpt, monkeypatch, case):
-    """auto into CUDA memory: InstantTensor for one rank with every file on tmpfs, the plain path otherwise
-    (on a disk's page cache InstantTensor reads with O_DIRECT)."""
+def test_auto_reads_with_instanttensor_only_where_it_wins(ckpt, monkeypatch, case, prefer):
+    """auto into CUDA memory, where InstantTensor is preferred: it reads for one rank with every file on
+    tmpfs, the plain path otherwise (on a disk's page cache InstantTensor reads with O_DIRECT). Where it is
+    not preferred (measured slower than the pipeline), the plain path always."""
     from weightcache.sources import filemap
     from weightcache.sources import instanttensor as it_reader
+    from weightcache.sources import safetensors as st
 
+    monkeypatch.setattr(st, "AUTO_INSTANTTENSOR", prefer)
     monkeypatch.setattr(it_reader, "available", lambda: case != "absent")
     monkeypatch.setattr(filemap, "in_memory_fs", lambda path: case != "disk")
     if case == "cold":
         monkeypatch.setattr(filemap, "resident_fraction", lambda path, samples=256: 0.0)
     tp = dict(tp_rank=0, tp_size=2, tp_plan=PLAN) if case == "tp2" else {}
     src = SafetensorsSource(ckpt, io="staged" if case == "staged" else "auto", progress=False, **tp)
-    want = {"warm": "instanttensor", "cpu": "cpu"}.get(case, "cuda")
+    want = {"warm": "instanttensor" if prefer else "cuda", "cpu": "cpu"}.get(case, "cuda")
     assert src.reader(cuda=case != "cpu") == want
 
 
 def test_auto_without_instanttensor_when_a_tensor_is_in_two_files(ckpt, monkeypatch):
     from weightcache.sources import instanttensor as it_reader
+    from weightcache.sources import safetensors as st
 
+    monkeypatch.setattr(st, "AUTO_INSTANTTENSOR", True)
     monkeypatch.setattr(it_reader, "available", lambda: True)
     src = SafetensorsSource(ckpt, progress=False)
     monkeypatch.setattr(src, "files_without_duplicates", lambda: (_ for _ in ()).throw(CheckpointError("dup")))
@@ -399,14 +411,18 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
 
 
 @pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
-@pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave")])
+@pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave"),
+                                dict(stage_read="memcpy", threads=2), dict(stage_read="preadv", threads=2),
+                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE)])
 def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
     for r in range(2):
         fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
         modes = set(fill.modes.values())
-        assert modes == {"register" if io == "auto" else io} or (io == "direct" and modes == {"staged"})
+        assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
+        piped = {f for f in fill.modes if fill._pipelined(f)}
+        assert bool(piped) == (fill.src.stage_read == "pipeline" and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
-    assert (fake_cuda.registrations > 0) == (io in ("register", "auto"))
+    assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
 
 def test_cuda_fill_auto_copies_tmpfs_files_through_staging(ckpt, fake_cuda, monkeypatch):
@@ -445,13 +461,14 @@ def test_cuda_fill_huge_page_staging(ckpt, fake_cuda):
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
 
 
-def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path):
+@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy", "preadv"])
+def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path, stage_read):
     d = tmp_path / "t"
     d.mkdir()
     for f in ckpt.iterdir():
         (d / f.name).write_bytes(f.read_bytes())
     src = SafetensorsSource(d, tp_rank=0, tp_size=2, tp_plan=PLAN, io="staged", chunk_bytes=2 * PAGE,
-                            progress=False)
+                            window_bytes=2 * PAGE, stage_read=stage_read, progress=False)
     views = views_for(src)
     pieces, slices = src.plan_reads(views)
     os.truncate(d / "b.safetensors", 3 * PAGE)

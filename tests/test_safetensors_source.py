@@ -1,3 +1,4 @@
+import functools
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ LLAMA_DIMS = {  # transformers' Llama plan: q/k/v/gate/up colwise (dim 0), o/dow
 }
 
 
+@functools.cache
 def transformers_shards_embedding(model_dir) -> bool:
     """Whether this transformers' plan for the checkpoint makes the input embedding vocab-parallel: releases
     up to 5.19 did so for tied embeddings only, later ones (``model.embed_tokens: embedding_rowwise``) always."""
@@ -111,7 +113,7 @@ def test_describe_reads_no_data_and_matches_plan(llama):
     assert metas["model.layers.0.self_attn.q_proj.weight"].shape == [64, 64]  # 4 heads x 32, half
     assert metas["model.layers.0.self_attn.o_proj.weight"].shape == [64, 64]
     assert metas["model.layers.0.self_attn.k_proj.weight"].shape == [64, 64]  # 4 kv heads x 32, half
-    assert metas["model.embed_tokens.weight"].shape == [512, 64]
+    assert metas["model.embed_tokens.weight"].shape == [256 if transformers_shards_embedding(llama) else 512, 64]
     assert {m.dtype for m in metas.values()} == {"float32"}
     assert src.plan.source.startswith("transformers LlamaForCausalLM")
 
@@ -123,7 +125,7 @@ def test_small_chunks_and_io_modes(llama, io, threads):
     src = SafetensorsSource(llama, tp_rank=1, tp_size=2, chunk_bytes=4096, io=io, threads=threads, progress=False)
     v = fill(src)
     for name, t in full.items():
-        d = llama_dim(name)
+        d = llama_dim(name, tied=transformers_shards_embedding(llama))
         assert torch.equal(v[name], expected_shard(t, d, 1, 1, 2)), name
 
 
@@ -134,7 +136,8 @@ def test_dtype_cast(llama, tp):
     assert {m.dtype for m in src.describe()} == {"bfloat16"}
     v = fill(src)
     for name, t in full.items():
-        want = expected_shard(t, llama_dim(name) if tp > 1 else None, 1, tp - 1, tp).to(torch.bfloat16)
+        want = expected_shard(t, llama_dim(name, tied=transformers_shards_embedding(llama)) if tp > 1 else None, 1,
+                              tp - 1, tp).to(torch.bfloat16)
         assert torch.equal(v[name], want), name
     assert src.key_fields()["dtype"] == "bfloat16"
 
@@ -426,7 +429,8 @@ def test_daemon_loads_rank_and_engine_attaches(llama, sockdir):
         with wc.attach(os.path.join(sockdir, "r1.sock"), expect=key) as att:
             assert set(att) == set(full)
             for name, t in full.items():
-                assert torch.equal(att[name], expected_shard(t, llama_dim(name), 1, 1, 2)), name
+                assert torch.equal(att[name], expected_shard(
+                    t, llama_dim(name, tied=transformers_shards_embedding(llama)), 1, 1, 2)), name
     finally:
         daemon.close()
 
