@@ -51,7 +51,8 @@ def _instrument() -> None:
     cuda_fill.CudaFill._choose_modes = _timed("choose modes, map files", cuda_fill.CudaFill._choose_modes)
     import ctypes
 
-    cuda_fill.ctypes = SimpleNamespace(memmove=_timed("memmove", ctypes.memmove))
+    cuda_fill.ctypes = SimpleNamespace(memmove=_timed("memmove", ctypes.memmove), c_ubyte=ctypes.c_ubyte)
+    torch.Tensor.copy_ = _timed("torch copy_", torch.Tensor.copy_)
     orig = cuda_fill.read_into
     cuda_fill.read_into = _timed("preadv", orig)
 
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-gb", type=float, default=4)
     ap.add_argument("--spec", action="append", default=[], help="bench/load.py sweep options, repeatable")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--no-arena", action="store_true", help="fill torch.empty buffers instead of the arena")
     args = ap.parse_args(argv)
     path = load.make_checkpoint(args.dir, args.size_gb, args.shard_gb, False)
     load.warm_page_cache(load.weight_files(path))
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             src = SafetensorsSource(path, device=device, progress=False, **load.source_kwargs(opts, SimpleNamespace(
                 threads=None, chunk_mb=0)))
-            arena = load.ArenaViews(src.describe(), device, True)
+            arena = load.ArenaViews(src.describe(), device, not args.no_arena)
             spent.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -83,9 +85,9 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
             parts = dict(spent)
-            out.append({"spec": spec, "run": run, "wall": wall, "gb_per_s": src.nbytes / wall / 1e9,
+            out.append({"spec": spec, "run": run, "buffers": arena.kind, "wall": wall, "gb_per_s": src.nbytes / wall / 1e9,
                         "threads": src.threads, "parts": parts})
-            print(f"{spec} run {run}: {wall:.3f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
+            print(f"{spec} [{arena.kind}] run {run}: {wall:.3f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
                   "per thread: " + ", ".join(f"{k} {v / src.threads:.3f}" for k, v in sorted(parts.items())) + ")",
                   flush=True)
             arena.close()
