@@ -1,5 +1,6 @@
 """Where a real CUDA fill's time goes: SafetensorsSource into a weightcache arena, each worker's time summed by
-part (CPU copy, waiting for a slot, queueing copies, staging allocation), next to the wall time.
+part (CPU copy, waiting for a slot, queueing copies, windows, planning), summed over threads, next to the
+wall time.
 
     python bench/fill_trace.py --dir /dev/shm/wcload --size-gb 16 --spec "io=staged,chunk_mb=16" --spec "..."
 
@@ -49,6 +50,14 @@ def _instrument() -> None:
     cuda_fill.CudaFill._to_device = _timed("queue copies", cuda_fill.CudaFill._to_device)
     cuda_fill.CudaFill._register = _timed("register + queue", cuda_fill.CudaFill._register)
     cuda_fill.CudaFill._choose_modes = _timed("choose modes, map files", cuda_fill.CudaFill._choose_modes)
+    cuda_fill.CudaFill._window_memory = _timed("window memory", cuda_fill.CudaFill._window_memory)
+    cuda_fill.CudaFill._close_windows = staticmethod(_timed("close windows", cuda_fill.CudaFill._close_windows))
+    cuda_fill.CudaFill._window_loads = _timed("cut windows", cuda_fill.CudaFill._window_loads)
+    cuda_fill.CudaFill._pipeline = _timed("pipeline (all)", cuda_fill.CudaFill._pipeline)
+    cuda_fill.CudaFill._tiled = _timed("tiles (all)", cuda_fill.CudaFill._tiled)
+    cuda_fill.unmap_later = _timed("unmap_later", cuda_fill.unmap_later)
+    for name in ("work_items", "open_files", "plan_reads", "_check_views"):
+        setattr(SafetensorsSource, name, _timed(name.strip("_"), getattr(SafetensorsSource, name)))
     import ctypes
 
     cuda_fill.ctypes = SimpleNamespace(memmove=_timed("memmove", ctypes.memmove), c_ubyte=ctypes.c_ubyte)
@@ -87,8 +96,8 @@ def main(argv=None) -> int:
             parts = dict(spent)
             out.append({"spec": spec, "run": run, "buffers": arena.kind, "wall": wall, "gb_per_s": src.nbytes / wall / 1e9,
                         "threads": src.threads, "parts": parts})
-            print(f"{spec} [{arena.kind}] run {run}: {wall:.3f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
-                  "per thread: " + ", ".join(f"{k} {v / src.threads:.3f}" for k, v in sorted(parts.items())) + ")",
+            print(f"{spec} [{arena.kind}] run {run}: {wall:.4f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
+                  "seconds summed over threads: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(parts.items())) + ")",
                   flush=True)
             arena.close()
             load.free(device)

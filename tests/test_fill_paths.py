@@ -313,7 +313,10 @@ def test_instanttensor_needs_cuda_views(ckpt):
 
 
 class FakeDriver:
-    """cuMemHostRegister / cuMemcpyHtoDAsync on the CPU, checking what the real driver would refuse."""
+    """cuMemHostRegister / cuMemcpyHtoDAsync on the CPU, checking what the real driver would refuse. Copies
+    run only when an event recorded after them (or a stream) is synchronized, as late as a real GPU may run
+    them: a staging buffer reused or a range unregistered before its copies are done shows as wrong bytes or a
+    failed check."""
 
     class CUresult:
         CUDA_SUCCESS = 0
@@ -327,8 +330,11 @@ class FakeDriver:
     def __init__(self, refuse_read_only=False):
         self.refuse = refuse_read_only
         self.live: dict[int, int] = {}
+        self.pinned: dict[int, int] = {}  # torch's pinned memory (the stand-in's page-aligned buffers)
         self.lock = threading.Lock()
         self.registrations = self.copies = 0
+        self.seq = 0
+        self.pending: list[tuple[int, int, int, int]] = []  # (seq, dst, src, n)
 
     def cuGetErrorName(self, err):
         return 0, b"CUDA_ERROR_NOT_SUPPORTED"
@@ -351,33 +357,37 @@ class FakeDriver:
 
     def cuMemHostUnregister(self, ptr):
         with self.lock:
+            assert not any(self._covers(self.live[ptr], ptr, src, n) for _, _, src, n in self.pending), \
+                "unregistered with copies from it pending"
             del self.live[ptr]
         return (0,)
 
+    @staticmethod
+    def _covers(size, ptr, src, n):
+        return ptr <= src and src + n <= ptr + size
+
+    def _page_locked(self, src, n):
+        return any(self._covers(m, p, src, n) for ranges in (self.live, self.pinned) for p, m in ranges.items())
+
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         with self.lock:
-            assert any(p <= src and src + n <= p + m for p, m in self.live.items()), "copy from unregistered memory"
+            assert self._page_locked(src, n), "copy from memory that is not page-locked"
             self.copies += 1
-        ctypes.memmove(dst, src, n)
+            self.seq += 1
+            self.pending.append((self.seq, dst, src, n))
         return (0,)
 
+    def mark(self) -> int:
+        with self.lock:
+            return self.seq
 
-class FakeStream:
-    cuda_stream = 0
-
-    def __init__(self, device=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class FakeEvent:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
+    def flush(self, upto: int | None = None) -> None:
+        with self.lock:
+            due = [c for c in self.pending if upto is None or c[0] <= upto]
+            self.pending = [c for c in self.pending if not (upto is None or c[0] <= upto)]
+            for _, dst, src, n in due:
+                assert self._page_locked(src, n), "copy ran after its memory was released"
+                ctypes.memmove(dst, src, n)
 
 
 def page_aligned(n):
@@ -387,13 +397,39 @@ def page_aligned(n):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     drv = FakeDriver()
+
+    class FakeStream:
+        cuda_stream = 0
+
+        def __init__(self, device=None):
+            pass
+
+        def synchronize(self):
+            drv.flush()
+
+    class FakeEvent:
+        seq = 0
+
+        def record(self, stream=None):
+            self.seq = drv.mark()
+
+        def synchronize(self):
+            drv.flush(self.seq)
+
+    def pinned(n):
+        t = page_aligned(n)
+        with drv.lock:
+            drv.pinned[t.data_ptr()] = max(n, 1)
+        return t
+
     monkeypatch.setattr(cuda_fill, "_driver", lambda: (drv, SimpleNamespace(device_context=lambda i: contextlib.nullcontext())))
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(page_aligned))
-    return drv
+    monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(pinned))
+    yield drv
+    assert drv.pending == [], "copies left that nothing waited for"
 
 
 def cuda_fill_run(ckpt, r, dtype=None, **kw):
@@ -413,14 +449,19 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
 @pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
 @pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave"),
                                 dict(stage_read="memcpy", threads=2), dict(stage_read="preadv", threads=2),
-                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE)])
+                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE),
+                                dict(stage_read="tiles", threads=4, windows=2, window_bytes=3 * PAGE, tile_bytes=PAGE),
+                                dict(stage_read="tiles", threads=3, windows=1, window_bytes=2 * PAGE,
+                                     tile_bytes=4 * PAGE),
+                                dict(stage_read="tiles", threads=1, windows=3, window_bytes=4 * PAGE,
+                                     tile_bytes=PAGE)])
 def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
     for r in range(2):
         fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
         modes = set(fill.modes.values())
         assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
         piped = {f for f in fill.modes if fill._pipelined(f)}
-        assert bool(piped) == (fill.src.stage_read == "pipeline" and "staged" in modes)
+        assert bool(piped) == (fill.src.stage_read in ("pipeline", "tiles") and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
     assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
@@ -456,12 +497,14 @@ def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeyp
     assert set(fill.modes.values()) == {"staged"} and fake_cuda.live == {}
 
 
-def test_cuda_fill_huge_page_staging(ckpt, fake_cuda):
-    cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE)
+@pytest.mark.parametrize("stage_read", ["pipeline", "tiles", "memcpy"])
+def test_cuda_fill_huge_page_staging(ckpt, fake_cuda, stage_read):
+    cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE, stage_read=stage_read,
+                  window_bytes=2 * PAGE, tile_bytes=PAGE)
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy", "preadv"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "tiles", "memcpy", "preadv"])
 def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path, stage_read):
     d = tmp_path / "t"
     d.mkdir()

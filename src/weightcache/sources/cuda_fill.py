@@ -206,7 +206,7 @@ class CudaFill:
         return self.src.window_bytes if self._pipelined(file) else self.src.chunk_bytes
 
     def _pipelined(self, file: Path) -> bool:
-        return self.src.stage_read == "pipeline" and self.modes.get(file) == "staged" and file in self.maps
+        return self.src.stage_read in ("pipeline", "tiles") and self.modes.get(file) == "staged" and file in self.maps
 
     def _stage_bytes(self) -> int:
         """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
@@ -230,7 +230,7 @@ class CudaFill:
             self.fds = fds
             piped = [i for i in self.items if isinstance(i, Segment) and self._pipelined(i.file)]
             if piped:
-                self._pipeline(piped)
+                (self._tiled if self.src.stage_read == "tiles" else self._pipeline)(piped)
             rest = [i for i in self.items if not (isinstance(i, Segment) and self._pipelined(i.file))]
             run_workers(self.src.threads, rest, self._worker)
         finally:
@@ -241,51 +241,130 @@ class CudaFill:
 
     # -- the pipeline (staged, stage_read="pipeline") -----------------------------------------------
 
+    def _window_loads(self, segments: list[Segment]) -> list[Segment]:
+        """The segments cut to at most one window each, checked against their files' sizes."""
+        w = self.src.window_bytes
+        loads = [part for seg in segments for part in ([seg] if seg.end - seg.start <= w else
+                                                        plan_segments(seg.pieces, w))]
+        for part in loads:
+            if part.end > self.maps[part.file].size:
+                raise CheckpointError(f"{part.file}: unexpected end of file reading tensor "
+                                      f"{part.pieces[0].name!r} (truncated checkpoint?)")
+        return loads
+
+    def _windows(self, stream: torch.cuda.Stream):
+        """``windows`` slots on ``stream``, each with its ``window_bytes`` of one page-locked area."""
+        w = self.src.window_bytes
+        slots = [_Slot(stream) for _ in range(self.src.windows)]
+        owner = self._window_memory(w * len(slots))
+        area = owner.tensor if isinstance(owner, _HugeStaging) else owner
+        for k, s in enumerate(slots):
+            s.buf = area[k * w : (k + 1) * w]
+        return slots, owner
+
+    @staticmethod
+    def _close_windows(slots: list[_Slot], owner, report) -> None:
+        """Every window's copies done (reported if ``report``), then the area freed."""
+        try:
+            for s in slots:
+                try:
+                    s.drain(report)
+                except Exception:
+                    if report is not None:
+                        raise
+        finally:
+            for s in slots:
+                s.buf = None
+            if isinstance(owner, _HugeStaging):
+                owner.close()
+
+    def _tiled(self, segments: list[Segment]) -> None:
+        """``threads`` workers copy ``tile_bytes`` tiles of each window out of the file's mapping (ctypes'
+        memmove, without the GIL), taking the next tile wherever it is; the worker that finishes a window's
+        last tile queues its device copies. A window is reused once its copies are done: no barrier per window
+        and no thread that queues while the others wait."""
+        loads = self._window_loads(segments)
+        tile, nwin = self.src.tile_bytes, self.src.windows
+        tiles = [(li, a, min(a + tile, part.end)) for li, part in enumerate(loads)
+                 for a in range(part.start, part.end, tile)]
+        left = [-(-(part.end - part.start) // tile) for part in loads]
+        queued = [threading.Event() for _ in loads]
+        freed = [False] * len(loads)
+        count_lock = threading.Lock()
+        failed = threading.Event()
+        addrs = {f: fm.addr for f, fm in self.maps.items()}
+        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
+        with ctx, torch.cuda.device(self.device):
+            slots, owner = self._windows(torch.cuda.Stream(device=self.device))
+        slot_locks = [threading.Lock() for _ in slots]
+        bases = [s.buf.data_ptr() for s in slots]
+
+        def free_window(li: int) -> bool:
+            """Wait until the window load ``li`` goes into is free; False if another worker failed."""
+            prev = li - nwin
+            if prev < 0 or freed[prev]:
+                return True
+            while not queued[prev].wait(0.05):
+                if failed.is_set():
+                    return False
+            with slot_locks[li % nwin]:
+                if not freed[prev]:
+                    slots[li % nwin].drain(self.report)
+                    freed[prev] = True
+            return True
+
+        def work(next_item) -> None:
+            try:
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(self.arena.device_context(self.index) if self.cu is not None
+                                        else contextlib.nullcontext())
+                    stack.enter_context(torch.cuda.device(self.device))
+                    while (t := next_item()) is not None:
+                        li, a, b = t
+                        if not free_window(li):
+                            return
+                        part = loads[li]
+                        ctypes.memmove(bases[li % nwin] + (a - part.start), addrs[part.file] + a, b - a)
+                        with count_lock:
+                            left[li] -= 1
+                            last = left[li] == 0
+                        if last:
+                            slot = slots[li % nwin]
+                            self._to_device(part, slot.buf, part.start, slot)
+                            queued[li].set()
+            except BaseException:
+                failed.set()
+                raise
+
+        ok = False
+        try:
+            run_workers(self.src.threads, tiles, work)
+            ok = True
+        finally:
+            with ctx, torch.cuda.device(self.device):
+                self._close_windows(slots, owner, self.report if ok else None)
+
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
         next free window, then queued to the device on one stream."""
-        w = self.src.window_bytes
+        loads = self._window_loads(segments)
         ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
         with ctx, torch.cuda.device(self.device):
-            stream = torch.cuda.Stream(device=self.device)
-            slots = [_Slot(stream) for _ in range(self.src.windows)]
-            owner = self._window_memory(w * len(slots))
-            area = owner.tensor if isinstance(owner, _HugeStaging) else owner
-            for k, s in enumerate(slots):
-                s.buf = area[k * w : (k + 1) * w]
-            mapped = {}
+            slots, owner = self._windows(torch.cuda.Stream(device=self.device))
+            mapped = {f: torch.frombuffer((ctypes.c_ubyte * self.maps[f].size).from_address(self.maps[f].addr),
+                                          dtype=torch.uint8) for f in {part.file for part in loads}}
             ok = False
             try:
-                k = 0
-                for seg in segments:
-                    parts = [seg] if seg.end - seg.start <= w else plan_segments(seg.pieces, w)
-                    for part in parts:
-                        slot = slots[k]
-                        k = (k + 1) % len(slots)
-                        slot.drain(self.report)
-                        src = mapped.get(part.file)
-                        if src is None:
-                            fm = self.maps[part.file]
-                            src = mapped[part.file] = torch.frombuffer(
-                                (ctypes.c_ubyte * fm.size).from_address(fm.addr), dtype=torch.uint8)
-                        if part.end > src.numel():
-                            raise CheckpointError(f"{part.file}: unexpected end of file reading tensor "
-                                                  f"{part.pieces[0].name!r} (truncated checkpoint?)")
-                        n = part.end - part.start
-                        slot.buf[:n].copy_(src[part.start : part.end])
-                        self._to_device(part, slot.buf, part.start, slot)
+                for k, part in enumerate(loads):
+                    slot = slots[k % len(slots)]
+                    slot.drain(self.report)
+                    n = part.end - part.start
+                    slot.buf[:n].copy_(mapped[part.file][part.start : part.end])
+                    self._to_device(part, slot.buf, part.start, slot)
                 ok = True
             finally:
-                for s in slots:
-                    try:
-                        s.drain(self.report if ok else None)
-                    except Exception:
-                        if ok:
-                            raise
-                    s.buf = None
                 mapped.clear()
-                if isinstance(owner, _HugeStaging):
-                    owner.close()
+                self._close_windows(slots, owner, self.report if ok else None)
 
     def _window_memory(self, nbytes: int):
         if self.src.hugepages and not self._huge_failed:
