@@ -84,9 +84,15 @@ def main(argv=None) -> int:
     for spec in args.spec or ["io=staged"]:
         opts = load.parse_spec(spec)
         for run in range(args.runs):
+            t0 = time.perf_counter()
             src = SafetensorsSource(path, device=device, progress=False, **load.source_kwargs(opts, SimpleNamespace(
                 threads=None, chunk_mb=0)))
-            arena = load.ArenaViews(src.describe(), device, not args.no_arena)
+            t1 = time.perf_counter()
+            metas = src.describe()
+            t2 = time.perf_counter()
+            arena = load.ArenaViews(metas, device, not args.no_arena)
+            torch.cuda.synchronize()
+            setup = {"source": t1 - t0, "describe": t2 - t1, "arena": time.perf_counter() - t2}
             spent.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -95,12 +101,31 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t
             parts = dict(spent)
             out.append({"spec": spec, "run": run, "buffers": arena.kind, "wall": wall, "gb_per_s": src.nbytes / wall / 1e9,
-                        "threads": src.threads, "parts": parts})
+                        "threads": src.threads, "parts": parts, "setup": setup})
+            print("  before the fill: " + ", ".join(f"{k} {v:.4f} s" for k, v in setup.items()))
             print(f"{spec} [{arena.kind}] run {run}: {wall:.4f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
                   "seconds summed over threads: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(parts.items())) + ")",
                   flush=True)
             arena.close()
             load.free(device)
+    for kind in ("arena", "torch.empty"):  # what a destination of this size costs (InstantTensor's: torch's)
+        nbytes = src.nbytes
+        t = time.perf_counter()
+        if kind == "arena":
+            from weightcache.arena import allocate_block
+
+            block = allocate_block(nbytes, device)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            block.close()
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            del buf
+        load.free(device)
+        out.append({"allocate": kind, "bytes": nbytes, "seconds": dt})
+        print(f"allocate {nbytes / 1e9:.2f} GB ({kind}): {dt:.4f} s")
     res = ROOT / "bench" / "results" / f"fill-trace-{torch.cuda.get_device_name(0).split()[-1].lower()}.json"
     res.write_text(json.dumps(out, indent=2))
     print(f"wrote {res}")

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from weightcache.checkpoints import estimate_llama_bytes, llama_config_for_bytes, make_llama_checkpoint  # noqa: E402
 from weightcache.key import parse_dtype  # noqa: E402
-from weightcache.sources.filemap import drop_from_page_cache, resident_fraction  # noqa: E402
+from weightcache.sources.filemap import drop_from_page_cache, resident_fraction, wait_unmapped  # noqa: E402
 from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
@@ -89,8 +89,9 @@ KEEP_PINNED = False  # --keep-pinned
 def free(device: torch.device) -> None:
     """Between runs: what a run allocated goes back, pinned host memory cached by torch too (each daemon is a
     fresh process that pays for its staging buffers; InstantTensor and fastsafetensors allocate theirs per
-    call), unless --keep-pinned."""
+    call), unless --keep-pinned; the mappings of the last fill unmapped (a fresh daemon has none pending)."""
     gc.collect()
+    wait_unmapped()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         if not KEEP_PINNED:

@@ -241,6 +241,13 @@ class CudaFill:
 
     # -- the pipeline (staged, stage_read="pipeline") -----------------------------------------------
 
+    @contextlib.contextmanager
+    def _on_device(self):
+        """This thread in the device's primary context (the driver's calls) and torch's current device."""
+        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
+        with ctx, torch.cuda.device(self.device):
+            yield
+
     def _window_loads(self, segments: list[Segment]) -> list[Segment]:
         """The segments cut to at most one window each, checked against their files' sizes."""
         w = self.src.window_bytes
@@ -293,8 +300,7 @@ class CudaFill:
         count_lock = threading.Lock()
         failed = threading.Event()
         addrs = {f: fm.addr for f, fm in self.maps.items()}
-        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
-        with ctx, torch.cuda.device(self.device):
+        with self._on_device():
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
         slot_locks = [threading.Lock() for _ in slots]
         bases = [s.buf.data_ptr() for s in slots]
@@ -315,10 +321,7 @@ class CudaFill:
 
         def work(next_item) -> None:
             try:
-                with contextlib.ExitStack() as stack:
-                    stack.enter_context(self.arena.device_context(self.index) if self.cu is not None
-                                        else contextlib.nullcontext())
-                    stack.enter_context(torch.cuda.device(self.device))
+                with self._on_device():
                     while (t := next_item()) is not None:
                         li, a, b = t
                         if not free_window(li):
@@ -341,7 +344,7 @@ class CudaFill:
             run_workers(self.src.threads, tiles, work)
             ok = True
         finally:
-            with ctx, torch.cuda.device(self.device):
+            with self._on_device():
                 self._close_windows(slots, owner, self.report if ok else None)
 
     def _pipeline(self, segments: list[Segment]) -> None:

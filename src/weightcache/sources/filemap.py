@@ -75,11 +75,22 @@ class FileMap:
         self.close()
 
 
+_unmapping: list[threading.Thread] = []
+
+
 def unmap_later(maps: list[FileMap]) -> None:
     """Close mappings on a thread of their own: unmapping a whole checkpoint's page tables takes a while
-    (0.07 s per 8 GB on the H200) and nothing waits on it."""
+    (0.07 s per 8 GB on the H200) and the fill does not wait on it (the next mmap in the process does)."""
     if maps:
-        threading.Thread(target=lambda: [m.close() for m in maps], name="wc-unmap", daemon=True).start()
+        t = threading.Thread(target=lambda: [m.close() for m in maps], name="wc-unmap", daemon=True)
+        _unmapping.append(t)
+        t.start()
+
+
+def wait_unmapped() -> None:
+    """Until every unmap_later before this call is done (a benchmark's runs start as a fresh process would)."""
+    while _unmapping:
+        _unmapping.pop().join()
 
 
 def resident_fraction(path: Path | str, samples: int = 256) -> float:
