@@ -75,7 +75,7 @@ SWEEP_H200 = [  # the plain path's previous default first, then the pipeline's w
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
               "order": str, "hugepages": int, "sendfile": int, "stage_read": str,
-              "window_mb": int, "windows": int, "tile_kb": int, "intra_threads": int}
+              "window_mb": int, "windows": int, "tile_kb": int}
 
 
 def sync(device: torch.device) -> None:
@@ -246,17 +246,6 @@ def source_kwargs(opts: dict, args) -> dict:
 
 
 def run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Reference | None) -> dict:
-    if "intra_threads" not in opts:
-        return _run_weightcache(path, device, args, opts, ref)
-    before = torch.get_num_threads()  # the pipeline's copies use torch's intra-op threads
-    torch.set_num_threads(opts["intra_threads"])
-    try:
-        return _run_weightcache(path, device, args, opts, ref)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Reference | None) -> dict:
     t0 = time.perf_counter()
     src = SafetensorsSource(path, device=device, tp_rank=0, tp_size=args.tp, progress=False,
                             **source_kwargs(opts, args))

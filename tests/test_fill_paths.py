@@ -454,20 +454,16 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
                                 dict(stage_read="tiles", threads=3, windows=1, window_bytes=2 * PAGE,
                                      tile_bytes=4 * PAGE),
                                 dict(stage_read="tiles", threads=1, windows=3, window_bytes=4 * PAGE,
-                                     tile_bytes=PAGE),
-                                dict(stage_read="hybrid", windows=2, window_bytes=2 * PAGE),
-                                dict(stage_read="hybrid", windows=3, window_bytes=PAGE)])
+                                     tile_bytes=PAGE)])
 def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
     for r in range(2):
         fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
         modes = set(fill.modes.values())
         assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
         piped = {f for f in fill.modes if fill._pipelined(f)}
-        assert bool(piped) == (fill.src.stage_read in ("pipeline", "hybrid", "tiles") and "staged" in modes)
+        assert bool(piped) == (fill.src.stage_read in ("pipeline", "tiles") and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
-    registers = io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register")
-    hybrid = fill.src.stage_read == "hybrid" and io in ("staged", "auto")
-    assert (fake_cuda.registrations > 0) == registers or hybrid
+    assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
 
 def test_cuda_fill_auto_copies_tmpfs_files_through_staging(ckpt, fake_cuda, monkeypatch):
@@ -492,18 +488,6 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
                for r in caplog.records)
 
 
-@pytest.mark.parametrize("refuse", [False, True])
-def test_cuda_fill_hybrid_shares_the_loads(ckpt, fake_cuda, refuse, caplog):
-    """The pipeline from the front, page-locked ranges from the back; a refused range goes back to the pipeline."""
-    fake_cuda.refuse = refuse
-    with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
-        fill = cuda_fill_run(ckpt, 0, io="staged", stage_read="hybrid", window_bytes=PAGE, register_bytes=2 * PAGE)
-    assert fake_cuda.live == {}
-    assert (fake_cuda.registrations > 0) == (not refuse)
-    assert any("cannot register" in r.getMessage() for r in caplog.records) == refuse
-    assert set(fill.modes.values()) == {"staged"}
-
-
 def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeypatch):
     def broken(*a):
         raise TypeError("argument 'hStream' has an unexpected type")
@@ -520,7 +504,7 @@ def test_cuda_fill_huge_page_staging(ckpt, fake_cuda, stage_read):
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "hybrid", "tiles", "memcpy", "preadv"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "tiles", "memcpy", "preadv"])
 def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path, stage_read):
     d = tmp_path / "t"
     d.mkdir()

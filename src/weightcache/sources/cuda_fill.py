@@ -143,65 +143,6 @@ class _Slot:
             self.buf_owner = None
 
 
-class _Share:
-    """The pipeline's loads, taken from the front by the pipeline and from the back by its helper."""
-
-    def __init__(self, loads: list[Segment]):
-        self.loads = loads
-        self.lo, self.hi = 0, len(loads)
-        self.returned: list[Segment] = []
-        self.lock = threading.Lock()
-
-    def front(self) -> Segment | None:
-        with self.lock:
-            if self.returned:
-                return self.returned.pop(0)
-            if self.lo < self.hi:
-                self.lo += 1
-                return self.loads[self.lo - 1]
-            return None
-
-    def back(self, span: int) -> list[Segment] | None:
-        """Consecutive loads of one file from the back, spanning at most ``span`` bytes (at least one)."""
-        with self.lock:
-            if self.lo >= self.hi:
-                return None
-            last = self.loads[self.hi - 1]
-            i = self.hi - 1
-            while i > self.lo and self.loads[i - 1].file == last.file and last.end - self.loads[i - 1].start <= span:
-                i -= 1
-            run, self.hi = self.loads[i : self.hi], i
-            return run
-
-    def give_back(self, run: list[Segment]) -> None:
-        with self.lock:
-            self.returned.extend(run)
-
-    def close(self) -> None:
-        """Nothing more for the back (the front failed)."""
-        with self.lock:
-            self.hi = self.lo
-
-
-class _Helper:
-    """``fn(share)`` on a thread of its own; its error is kept for the caller to raise."""
-
-    def __init__(self, fn, share: _Share):
-        self.error: BaseException | None = None
-
-        def run():
-            try:
-                fn(share)
-            except BaseException as e:  # noqa: BLE001 - raised by the pipeline's thread
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="wc-fill-register", daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-
-
 class CudaFill:
     """One fill of CUDA views from a SafetensorsSource's plan (segments and slice jobs)."""
 
@@ -216,7 +157,6 @@ class CudaFill:
         self.ptrs = {n: v.data_ptr() for n, v in views.items()}
         self.modes: dict[Path, str] = {}
         self._modes_lock = threading.Lock()
-        self._refused_files: set[Path] = set()
         self.maps: dict[Path, FileMap] = {}
         self.direct_fds: dict[Path, int] = {}
         self._huge_failed = False
@@ -266,7 +206,7 @@ class CudaFill:
         return self.src.window_bytes if self._pipelined(file) else self.src.chunk_bytes
 
     def _pipelined(self, file: Path) -> bool:
-        return self.src.stage_read in ("pipeline", "hybrid", "tiles") and self.modes.get(file) == "staged" and file in self.maps
+        return self.src.stage_read in ("pipeline", "tiles") and self.modes.get(file) == "staged" and file in self.maps
 
     def _stage_bytes(self) -> int:
         """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
@@ -409,73 +349,25 @@ class CudaFill:
 
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
-        next free window, then queued to the device on one stream. ``stage_read="hybrid"``: meanwhile another
-        thread page-locks ranges from the other end and the GPU copies straight from them."""
-        share = _Share(self._window_loads(segments))
-        helper = None
-        if self.src.stage_read == "hybrid" and self.cu is not None:
-            why_not = register_supported(self.index)
-            if why_not:
-                log.info("stage_read=hybrid: cannot register host memory here (%s); the pipeline alone", why_not)
-            else:
-                helper = _Helper(self._register_from_back, share)
-
-        def next_load() -> Segment | None:
-            part = share.front()
-            if part is None and helper is not None:
-                helper.join()  # what it gave back is at the front now
-                part = share.front()
-            return part
-
-        with self._on_device():
+        next free window, then queued to the device on one stream."""
+        loads = self._window_loads(segments)
+        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
+        with ctx, torch.cuda.device(self.device):
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
             mapped = {f: torch.frombuffer((ctypes.c_ubyte * self.maps[f].size).from_address(self.maps[f].addr),
-                                          dtype=torch.uint8) for f in {part.file for part in share.loads}}
+                                          dtype=torch.uint8) for f in {part.file for part in loads}}
             ok = False
             try:
-                k = 0
-                while (part := next_load()) is not None:
+                for k, part in enumerate(loads):
                     slot = slots[k % len(slots)]
-                    k += 1
                     slot.drain(self.report)
                     n = part.end - part.start
                     slot.buf[:n].copy_(mapped[part.file][part.start : part.end])
                     self._to_device(part, slot.buf, part.start, slot)
                 ok = True
             finally:
-                if helper is not None:
-                    share.close()
-                    helper.join()
                 mapped.clear()
                 self._close_windows(slots, owner, self.report if ok else None)
-            if helper is not None and helper.error is not None:
-                raise helper.error
-
-    def _register_from_back(self, share: _Share) -> None:
-        """Page-lock runs of loads from the back (at most ``register_bytes`` each) and copy from them, two in
-        flight; where the driver refuses, the loads go back to the pipeline."""
-        with self._on_device():
-            stream = torch.cuda.Stream(device=self.device)
-            slots = [_Slot(stream) for _ in range(2)]
-            ok = False
-            try:
-                k = 0
-                while (run := share.back(self.src.register_bytes)) is not None:
-                    slot = slots[k % 2]
-                    k += 1
-                    slot.drain(self.report)
-                    seg = Segment(run[0].file, run[0].start, run[-1].end, [p for part in run for p in part.pieces])
-                    if not self._register(seg, slot):
-                        share.give_back(run)
-                        break
-                ok = True
-            finally:
-                for s in slots:
-                    try:
-                        s.drain(self.report if ok else None)
-                    except Exception:
-                        if ok:
-                            raise
 
     def _window_memory(self, nbytes: int):
         if self.src.hugepages and not self._huge_failed:
@@ -653,8 +545,7 @@ class CudaFill:
 
     def _refused(self, seg: Segment, why: str) -> bool:
         with self._modes_lock:
-            if seg.file not in self._refused_files:
-                self._refused_files.add(seg.file)
+            if self.modes.get(seg.file) == "register":
                 self.modes[seg.file] = "staged"
                 log.warning("cannot register %s for DMA (%s); copying it through staging buffers", seg.file.name, why)
         return False

@@ -43,7 +43,7 @@ DEFAULT_THREADS = 16
 DEFAULT_DEPTH = 2  # copies in flight per thread
 # staged: "pipeline" (one thread, torch's parallel copy out of the file's mapping into `windows` cache-resident
 # windows of `window_bytes`: 53.8 GB/s on the H200 against 40.8 for "memcpy" by every worker, 36.8 for "preadv")
-STAGE_READS = ("pipeline", "hybrid", "tiles", "memcpy", "preadv")
+STAGE_READS = ("pipeline", "tiles", "memcpy", "preadv")
 DEFAULT_WINDOW_BYTES = 32 << 20
 DEFAULT_WINDOWS = 3
 DEFAULT_TILE_BYTES = 2 << 20  # stage_read="tiles": what a worker copies at a time
@@ -236,9 +236,7 @@ class SafetensorsSource:
       cuMemHostRegister) and copy from them; falls back to ``staged`` where the driver refuses
     * ``staged`` (CUDA): a CPU copy into pinned staging memory, then copy. ``stage_read``: "pipeline" (the
       default: one thread copies each ``window_bytes`` of the file's mapping with torch's intra-op threads into
-      one of ``windows`` windows small enough to stay in the CPU cache), "hybrid" (the pipeline, and one
-      thread that page-locks ``register_bytes`` ranges from the other end for the GPU to copy from), "tiles"
-      (the same windows, filled by
+      one of ``windows`` windows small enough to stay in the CPU cache), "tiles" (the same windows, filled by
       ``threads`` workers ``tile_bytes`` at a time, no barrier per window), "memcpy" (each worker copies from
       the mapping into its own ``chunk_bytes`` buffers) or "preadv" (each worker reads into them)
     * ``direct`` (CUDA): as ``staged`` with O_DIRECT reads (around the page cache: cold files)
