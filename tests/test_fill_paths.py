@@ -449,19 +449,14 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
 @pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
 @pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave"),
                                 dict(stage_read="memcpy", threads=2), dict(stage_read="preadv", threads=2),
-                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE),
-                                dict(stage_read="tiles", threads=4, windows=2, window_bytes=3 * PAGE, tile_bytes=PAGE),
-                                dict(stage_read="tiles", threads=3, windows=1, window_bytes=2 * PAGE,
-                                     tile_bytes=4 * PAGE),
-                                dict(stage_read="tiles", threads=1, windows=3, window_bytes=4 * PAGE,
-                                     tile_bytes=PAGE)])
+                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE)])
 def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
     for r in range(2):
         fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
         modes = set(fill.modes.values())
         assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
         piped = {f for f in fill.modes if fill._pipelined(f)}
-        assert bool(piped) == (fill.src.stage_read in ("pipeline", "tiles") and "staged" in modes)
+        assert bool(piped) == (fill.src.stage_read == "pipeline" and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
     assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
@@ -497,14 +492,14 @@ def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeyp
     assert set(fill.modes.values()) == {"staged"} and fake_cuda.live == {}
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "tiles", "memcpy"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy"])
 def test_cuda_fill_huge_page_staging(ckpt, fake_cuda, stage_read):
     cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE, stage_read=stage_read,
-                  window_bytes=2 * PAGE, tile_bytes=PAGE)
+                  window_bytes=2 * PAGE)
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "tiles", "memcpy", "preadv"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy", "preadv"])
 def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path, stage_read):
     d = tmp_path / "t"
     d.mkdir()

@@ -206,7 +206,7 @@ class CudaFill:
         return self.src.window_bytes if self._pipelined(file) else self.src.chunk_bytes
 
     def _pipelined(self, file: Path) -> bool:
-        return self.src.stage_read in ("pipeline", "tiles") and self.modes.get(file) == "staged" and file in self.maps
+        return self.src.stage_read == "pipeline" and self.modes.get(file) == "staged" and file in self.maps
 
     def _stage_bytes(self) -> int:
         """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
@@ -230,7 +230,7 @@ class CudaFill:
             self.fds = fds
             piped = [i for i in self.items if isinstance(i, Segment) and self._pipelined(i.file)]
             if piped:
-                (self._tiled if self.src.stage_read == "tiles" else self._pipeline)(piped)
+                self._pipeline(piped)
             rest = [i for i in self.items if not (isinstance(i, Segment) and self._pipelined(i.file))]
             run_workers(self.src.threads, rest, self._worker)
         finally:
@@ -284,68 +284,6 @@ class CudaFill:
                 s.buf = None
             if isinstance(owner, _HugeStaging):
                 owner.close()
-
-    def _tiled(self, segments: list[Segment]) -> None:
-        """``threads`` workers copy ``tile_bytes`` tiles of each window out of the file's mapping (ctypes'
-        memmove, without the GIL), taking the next tile wherever it is; the worker that finishes a window's
-        last tile queues its device copies. A window is reused once its copies are done: no barrier per window
-        and no thread that queues while the others wait."""
-        loads = self._window_loads(segments)
-        tile, nwin = self.src.tile_bytes, self.src.windows
-        tiles = [(li, a, min(a + tile, part.end)) for li, part in enumerate(loads)
-                 for a in range(part.start, part.end, tile)]
-        left = [-(-(part.end - part.start) // tile) for part in loads]
-        queued = [threading.Event() for _ in loads]
-        freed = [False] * len(loads)
-        count_lock = threading.Lock()
-        failed = threading.Event()
-        addrs = {f: fm.addr for f, fm in self.maps.items()}
-        with self._on_device():
-            slots, owner = self._windows(torch.cuda.Stream(device=self.device))
-        slot_locks = [threading.Lock() for _ in slots]
-        bases = [s.buf.data_ptr() for s in slots]
-
-        def free_window(li: int) -> bool:
-            """Wait until the window load ``li`` goes into is free; False if another worker failed."""
-            prev = li - nwin
-            if prev < 0 or freed[prev]:
-                return True
-            while not queued[prev].wait(0.05):
-                if failed.is_set():
-                    return False
-            with slot_locks[li % nwin]:
-                if not freed[prev]:
-                    slots[li % nwin].drain(self.report)
-                    freed[prev] = True
-            return True
-
-        def work(next_item) -> None:
-            try:
-                with self._on_device():
-                    while (t := next_item()) is not None:
-                        li, a, b = t
-                        if not free_window(li):
-                            return
-                        part = loads[li]
-                        ctypes.memmove(bases[li % nwin] + (a - part.start), addrs[part.file] + a, b - a)
-                        with count_lock:
-                            left[li] -= 1
-                            last = left[li] == 0
-                        if last:
-                            slot = slots[li % nwin]
-                            self._to_device(part, slot.buf, part.start, slot)
-                            queued[li].set()
-            except BaseException:
-                failed.set()
-                raise
-
-        ok = False
-        try:
-            run_workers(self.src.threads, tiles, work)
-            ok = True
-        finally:
-            with self._on_device():
-                self._close_windows(slots, owner, self.report if ok else None)
 
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
