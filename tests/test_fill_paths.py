@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from weightcache.key import parse_dtype
 from weightcache.sources import cuda_fill
-from weightcache.sources.filemap import FileMap, drop_from_page_cache, resident_fraction
+from weightcache.sources.filemap import FileMap, drop_from_page_cache, resident_fraction, wait_unmapped
 from weightcache.sources.read_plan import PAGE, Piece, order_segments, plan_segments
 from weightcache.sources.reading import CheckpointError, read_into
 from weightcache.sources.safetensors import SafetensorsSource
@@ -429,7 +429,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(pinned))
     yield drv
+    wait_unmapped()
     assert drv.pending == [], "copies left that nothing waited for"
+    assert drv.live == {}, "page-locked memory left registered"
 
 
 def cuda_fill_run(ckpt, r, dtype=None, **kw):
@@ -440,6 +442,7 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
     got = []
     fill = cuda_fill.CudaFill(src, views, pieces, slices, got.append, device=torch.device("cuda", 0))
     fill.run()
+    wait_unmapped()  # staging areas are released on a thread of their own
     assert sum(got) == src.nbytes
     want = reference(ckpt, r, 2, dtype)
     assert all(torch.equal(views[n], want[n]) for n in want)
@@ -472,6 +475,13 @@ def test_cuda_fill_dtype_cast_and_cold_auto(ckpt, fake_cuda, monkeypatch):
     fill = cuda_fill_run(ckpt, 1, dtype=torch.bfloat16, io="auto", chunk_bytes=2 * PAGE)
     assert set(fill.modes.values()) <= {"direct", "staged"}
     assert fake_cuda.registrations == 0
+
+
+def test_cuda_fill_windows_made_early_are_freed_when_no_file_is_pipelined(ckpt, fake_cuda, monkeypatch):
+    monkeypatch.setattr(FileMap, "resident_fraction", lambda self, samples=256: 0.0)  # cold: direct reads
+    fill = cuda_fill_run(ckpt, 0, io="auto", hugepages=True, chunk_bytes=2 * PAGE)
+    assert "staged" not in fill.modes.values() or not any(fill._pipelined(f) for f in fill.modes)
+    assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # the early windows were made, then released
 
 
 def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):

@@ -78,9 +78,10 @@ class FileMap:
 _unmapping: list[threading.Thread] = []
 
 
-def unmap_later(maps: list[FileMap]) -> None:
-    """Close mappings on a thread of their own: unmapping a whole checkpoint's page tables takes a while
-    (0.07 s per 8 GB on the H200) and the fill does not wait on it (the next mmap in the process does)."""
+def unmap_later(maps: list) -> None:
+    """Close mappings (FileMaps, staging areas: anything with ``close()``) on a thread of their own: unmapping
+    a whole checkpoint's page tables takes a while (0.07 s per 8 GB on the H200) and the fill does not wait on
+    it (the next mmap in the process does)."""
     if maps:
         t = threading.Thread(target=lambda: [m.close() for m in maps], name="wc-unmap", daemon=True)
         _unmapping.append(t)
