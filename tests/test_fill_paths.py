@@ -442,6 +442,7 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
     got = []
     fill = cuda_fill.CudaFill(src, views, pieces, slices, got.append, device=torch.device("cuda", 0))
     fill.run()
+    assert not any(t.name == "wc-fill-windows" and t.is_alive() for t in threading.enumerate())
     wait_unmapped()  # staging areas are released on a thread of their own
     assert sum(got) == src.nbytes
     want = reference(ckpt, r, 2, dtype)
