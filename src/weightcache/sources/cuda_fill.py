@@ -122,7 +122,6 @@ class _Slot:
         self.buf_owner: _HugeStaging | None = None
         self.bytes = 0
         self.release: Callable[[], None] | None = None
-        self.cu_stream = None  # the driver's handle of ``stream``, made once
 
     def drain(self, report: Callable[[int], None] | None) -> None:
         if not (self.bytes or self.release):
@@ -144,34 +143,6 @@ class _Slot:
             self.buf_owner = None
 
 
-class _Early:
-    """``make(*args)`` on a thread (inside ``within()``) while the caller goes on; ``take`` waits for it (None
-    if it failed: the caller makes its own), ``discard`` frees a result nobody took."""
-
-    def __init__(self, within, make, *args):
-        self.result = None
-
-        def run():
-            try:
-                with within():
-                    self.result = make(*args)
-            except Exception as e:  # noqa: BLE001 - the caller makes its own
-                log.debug("early staging windows failed: %s", e)
-
-        self.thread = threading.Thread(target=run, name="wc-fill-windows", daemon=True)
-        self.thread.start()
-
-    def take(self):
-        self.thread.join()
-        result, self.result = self.result, None
-        return result
-
-    def discard(self) -> None:
-        result = self.take()
-        if isinstance(result, _HugeStaging):
-            result.close()
-
-
 class CudaFill:
     """One fill of CUDA views from a SafetensorsSource's plan (segments and slice jobs)."""
 
@@ -190,7 +161,6 @@ class CudaFill:
         self.direct_fds: dict[Path, int] = {}
         self._huge_failed = False
         self._torch_copies = False  # the driver's copy failed once: torch's from then on
-        self._early: _Early | None = None  # the pipeline's windows, made while the fill plans
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -252,8 +222,6 @@ class CudaFill:
 
     def run(self) -> None:
         fds = {}
-        if self.src.stage_read == "pipeline" and self.src.io in ("auto", "staged"):
-            self._early = _Early(self._on_device, self._window_memory, self.src.window_bytes * self.src.windows)
         try:
             self._choose_modes()
             self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
@@ -270,8 +238,6 @@ class CudaFill:
             for fd in [*fds.values(), *self.direct_fds.values()]:
                 os.close(fd)
             unmap_later(list(self.maps.values()))
-            if self._early is not None:  # windows made for a pipeline that did not run
-                self._early.discard()
 
     # -- the pipeline (staged, stage_read="pipeline") -----------------------------------------------
 
@@ -297,10 +263,7 @@ class CudaFill:
         """``windows`` slots on ``stream``, each with its ``window_bytes`` of one page-locked area."""
         w = self.src.window_bytes
         slots = [_Slot(stream) for _ in range(self.src.windows)]
-        early, self._early = self._early, None
-        owner = early.take() if early is not None else None
-        if owner is None:
-            owner = self._window_memory(w * len(slots))
+        owner = self._window_memory(w * len(slots))
         area = owner.tensor if isinstance(owner, _HugeStaging) else owner
         for k, s in enumerate(slots):
             s.buf = area[k * w : (k + 1) * w]
@@ -449,10 +412,8 @@ class CudaFill:
         cu = self.cu
         for i, p in enumerate(seg.pieces):
             try:
-                if slot.cu_stream is None:
-                    slot.cu_stream = cu.CUstream(slot.stream.cuda_stream)
                 err = _status(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self.ptrs[p.name] + p.dst_offset),
-                                                   host_base + p.offset, p.nbytes, slot.cu_stream))
+                                                   host_base + p.offset, p.nbytes, cu.CUstream(slot.stream.cuda_stream)))
             except Exception as e:  # noqa: BLE001 - an unexpected bindings API: torch copies instead
                 if i:
                     raise
