@@ -63,13 +63,13 @@ from weightcache.sources.filemap import drop_from_page_cache, resident_fraction,
 from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
-SWEEP_H200 = [  # the plain path's previous default first, then the pipeline's windows, then the workers' copies
+SWEEP_H200 = [  # the plain path's previous default, the pipeline's windows and copy threads, the workers' copies
     "io=staged,stage_read=preadv,chunk_mb=16",
+    "io=staged,windows=2",
     "io=staged,window_mb=16,windows=4",
-    "io=staged,window_mb=8,windows=4",
     "io=staged,window_mb=64,windows=2",
-    "io=staged,window_mb=32,windows=4",
-    "io=staged,stage_read=memcpy,chunk_mb=16",
+    "intra_threads=12",
+    "io=staged,stage_read=memcpy,threads=12,chunk_mb=2,depth=3",  # InstantTensor's MMAP layout: 12 x 2 MiB x 3
     "io=staged,stage_read=memcpy,chunk_mb=8",
     "io=register,threads=16,register_mb=128",
 ]
