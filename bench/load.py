@@ -22,7 +22,8 @@ Warm (page cache), methods (--methods):
 --sweep runs SafetensorsSource with other options in the same run: "h200" (a grid for one GPU) or specs
 such as "io=register,threads=8,register_mb=256;io=staged,depth=3,streams=3". Keys: io, threads, chunk_mb,
 register_mb, depth, streams, order (file|interleave), hugepages (0|1; else the source's default), stage_read
-(pipeline|memcpy|preadv), window_mb and windows (the pipeline's), sendfile (0: CPU arena filled with preadv through its mapping instead of sendfile into its memfd).
+(pipeline|memcpy|preadv), window_mb and windows (the pipeline's), intra_threads (torch's intra-op threads, which
+make the pipeline's copies), sendfile (0: CPU arena filled with preadv through its mapping instead of sendfile into its memfd).
 
 Cold (--cold-dir on a real disk, --cold-gb): a second checkpoint is written there, and before each load its
 pages are dropped from the page cache (posix_fadvise DONTNEED per file, else /proc/sys/vm/drop_caches); the
@@ -75,7 +76,7 @@ SWEEP_H200 = [  # the plain path's previous default, the pipeline's windows and 
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
               "order": str, "hugepages": int, "sendfile": int, "stage_read": str,
-              "window_mb": int, "windows": int}
+              "window_mb": int, "windows": int, "intra_threads": int}
 
 
 def sync(device: torch.device) -> None:
@@ -244,6 +245,17 @@ def source_kwargs(opts: dict, args) -> dict:
 
 
 def run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Reference | None) -> dict:
+    if "intra_threads" not in opts:
+        return _run_weightcache(path, device, args, opts, ref)
+    before = torch.get_num_threads()  # the pipeline's copies use torch's intra-op threads
+    torch.set_num_threads(opts["intra_threads"])
+    try:
+        return _run_weightcache(path, device, args, opts, ref)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Reference | None) -> dict:
     t0 = time.perf_counter()
     src = SafetensorsSource(path, device=device, tp_rank=0, tp_size=args.tp, progress=False,
                             **source_kwargs(opts, args))
