@@ -76,7 +76,7 @@ SWEEP_H200 = [  # the plain path's previous default, the pipeline's windows and 
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
               "order": str, "hugepages": int, "sendfile": int, "stage_read": str,
-              "window_mb": int, "windows": int, "intra_threads": int}
+              "window_mb": int, "windows": int, "intra_threads": int, "tile_kb": int}
 
 
 def sync(device: torch.device) -> None:
@@ -237,6 +237,8 @@ def source_kwargs(opts: dict, args) -> dict:
             kw[key] = opts[key]
     if "window_mb" in opts:
         kw["window_bytes"] = opts["window_mb"] << 20
+    if "tile_kb" in opts:
+        kw["tile_bytes"] = opts["tile_kb"] << 10
     if "chunk_mb" in opts or args.chunk_mb:
         kw["chunk_bytes"] = (opts.get("chunk_mb") or args.chunk_mb) << 20
     if "register_mb" in opts:

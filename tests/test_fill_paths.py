@@ -428,6 +428,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(pinned))
+    monkeypatch.setattr(cuda_fill.native_fill, "USE_DRIVER", False)  # the native loop's copies: host memcpys
     yield drv
     wait_unmapped()
     assert drv.pending == [], "copies left that nothing waited for"
@@ -452,14 +453,17 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
 @pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
 @pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave"),
                                 dict(stage_read="memcpy", threads=2), dict(stage_read="preadv", threads=2),
-                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE)])
+                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE),
+                                dict(stage_read="native", threads=3, windows=2, window_bytes=3 * PAGE, tile_bytes=PAGE),
+                                dict(stage_read="native", threads=1, windows=1, window_bytes=2 * PAGE,
+                                     tile_bytes=4 * PAGE)])
 def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
     for r in range(2):
         fill = cuda_fill_run(ckpt, r, io=io, chunk_bytes=2 * PAGE, register_bytes=4 * PAGE, **kw)
         modes = set(fill.modes.values())
         assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
         piped = {f for f in fill.modes if fill._pipelined(f)}
-        assert bool(piped) == (fill.src.stage_read == "pipeline" and "staged" in modes)
+        assert bool(piped) == (fill.src.stage_read in ("pipeline", "native") and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
     assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
@@ -486,6 +490,14 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
                for r in caplog.records)
 
 
+def test_cuda_fill_native_unavailable_copies_with_torch(ckpt, fake_cuda, monkeypatch, caplog):
+    monkeypatch.setattr(cuda_fill.native_fill, "library", lambda: (None, "no C compiler"))
+    with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
+        fill = cuda_fill_run(ckpt, 0, io="staged", stage_read="native", window_bytes=2 * PAGE)
+    assert set(fill.modes.values()) == {"staged"}
+    assert any("native fill loop cannot be built (no C compiler)" in r.getMessage() for r in caplog.records)
+
+
 def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeypatch):
     def broken(*a):
         raise TypeError("argument 'hStream' has an unexpected type")
@@ -495,14 +507,14 @@ def test_cuda_fill_unexpected_bindings_error_falls_back(ckpt, fake_cuda, monkeyp
     assert set(fill.modes.values()) == {"staged"} and fake_cuda.live == {}
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "native", "memcpy"])
 def test_cuda_fill_huge_page_staging(ckpt, fake_cuda, stage_read):
     cuda_fill_run(ckpt, 0, io="staged", hugepages=True, threads=2, chunk_bytes=2 * PAGE, stage_read=stage_read,
                   window_bytes=2 * PAGE)
     assert fake_cuda.registrations > 0 and fake_cuda.live == {}  # staging buffers registered, then released
 
 
-@pytest.mark.parametrize("stage_read", ["pipeline", "memcpy", "preadv"])
+@pytest.mark.parametrize("stage_read", ["pipeline", "native", "memcpy", "preadv"])
 def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path, stage_read):
     d = tmp_path / "t"
     d.mkdir()

@@ -437,7 +437,9 @@ def test_daemon_loads_rank_and_engine_attaches(llama, sockdir):
 
 CUDA_OPTIONS = [dict(io="auto"), dict(io="mmap"), dict(io="staged"), dict(io="direct"),
                 dict(io="register", register_bytes=8192), dict(io="register", depth=3, streams=3, order="interleave"),
-                dict(io="staged", hugepages=True, depth=3, streams=2)]
+                dict(io="staged", hugepages=True, depth=3, streams=2),
+                dict(io="staged", stage_read="native", window_bytes=16384, windows=2, tile_bytes=4096),
+                dict(io="staged", stage_read="native", threads=3, window_bytes=8192, windows=3, tile_bytes=8192)]
 
 
 @pytest.mark.gpu

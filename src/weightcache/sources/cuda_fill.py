@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import native_fill
 from .filemap import DIRECT_ALIGN, RESIDENT, FileMap, in_memory_fs, open_direct, unmap_later
 from .read_plan import Segment, plan_segments
 from .reading import CheckpointError, read_into, run_workers
@@ -206,7 +207,7 @@ class CudaFill:
         return self.src.window_bytes if self._pipelined(file) else self.src.chunk_bytes
 
     def _pipelined(self, file: Path) -> bool:
-        return self.src.stage_read == "pipeline" and self.modes.get(file) == "staged" and file in self.maps
+        return self.src.stage_read in ("pipeline", "native") and self.modes.get(file) == "staged" and file in self.maps
 
     def _stage_bytes(self) -> int:
         """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
@@ -287,8 +288,17 @@ class CudaFill:
 
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
-        next free window, then queued to the device on one stream."""
+        next free window, then queued to the device on one stream (``stage_read="native"``: by the native
+        loop's workers, where it can be built)."""
         loads = self._window_loads(segments)
+        if self.src.stage_read == "native":
+            if self.cu is None:
+                log.info("stage_read=native needs cuda-bindings; torch's copies instead")
+            else:
+                lib, why = native_fill.library()
+                if lib is not None:
+                    return self._native(loads)
+                log.warning("the native fill loop cannot be built (%s); torch's copies instead", why)
         ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
         with ctx, torch.cuda.device(self.device):
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
@@ -306,6 +316,33 @@ class CudaFill:
             finally:
                 mapped.clear()
                 self._close_windows(slots, owner, self.report if ok else None)
+
+    def _native(self, loads: list[Segment]) -> None:
+        w, nwin = self.src.window_bytes, self.src.windows
+        with self._on_device():
+            stream = torch.cuda.Stream(device=self.device)
+            owner = self._window_memory(w * nwin)
+            area = owner.tensor if isinstance(owner, _HugeStaging) else owner
+            ctx = 0
+            if native_fill.USE_DRIVER:
+                err, current = self.cu.cuCtxGetCurrent()
+                if _status(err) != self.cu.CUresult.CUDA_SUCCESS:
+                    raise CheckpointError(f"no CUDA context for the fill: {_err_name(self.cu, err)}")
+                ctx = int(current)
+            plan = [(self.maps[part.file].addr + part.start, part.end - part.start,
+                     [(p.offset - part.start, self.ptrs[p.name] + p.dst_offset, p.nbytes) for p in part.pieces])
+                    for part in loads]
+            try:
+                native_fill.run(plan, area.data_ptr(), w, nwin, self.src.threads, self.src.tile_bytes, self.report,
+                                ctx=ctx, stream=stream.cuda_stream)
+            except native_fill.NativeFillError as e:
+                part = loads[e.load] if 0 <= e.load < len(loads) else None
+                where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill"
+                name = _err_name(self.cu, self.cu.CUresult(e.code)) if e.code > 0 else str(e)
+                raise CheckpointError(f"{where} to the device failed: {name}") from e
+            finally:
+                if isinstance(owner, _HugeStaging):
+                    unmap_later([owner])
 
     def _window_memory(self, nbytes: int):
         if self.src.hugepages and not self._huge_failed:

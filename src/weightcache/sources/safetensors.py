@@ -43,7 +43,8 @@ DEFAULT_THREADS = 16
 DEFAULT_DEPTH = 2  # copies in flight per thread
 # staged: "pipeline" (one thread, torch's parallel copy out of the file's mapping into `windows` cache-resident
 # windows of `window_bytes`: 53.8 GB/s on the H200 against 40.8 for "memcpy" by every worker, 36.8 for "preadv")
-STAGE_READS = ("pipeline", "memcpy", "preadv")
+STAGE_READS = ("pipeline", "native", "memcpy", "preadv")
+DEFAULT_TILE_BYTES = 2 << 20  # stage_read="native": what a worker copies at a time
 DEFAULT_WINDOW_BYTES = 32 << 20
 DEFAULT_WINDOWS = 3
 AUTO_INSTANTTENSOR = False  # auto reads tmpfs files with InstantTensor: no, since the pipeline beats it
@@ -235,8 +236,10 @@ class SafetensorsSource:
       cuMemHostRegister) and copy from them; falls back to ``staged`` where the driver refuses
     * ``staged`` (CUDA): a CPU copy into pinned staging memory, then copy. ``stage_read``: "pipeline" (the
       default: one thread copies each ``window_bytes`` of the file's mapping with torch's intra-op threads into
-      one of ``windows`` windows small enough to stay in the CPU cache), "memcpy" (each worker copies from the
-      mapping into its own ``chunk_bytes`` buffers) or "preadv" (each worker reads into them)
+      one of ``windows`` windows small enough to stay in the CPU cache), "native" (the same windows filled by
+      ``threads`` native workers ``tile_bytes`` at a time, built with the machine's C compiler on first use;
+      the pipeline where it cannot be), "memcpy" (each worker copies from the mapping into its own
+      ``chunk_bytes`` buffers) or "preadv" (each worker reads into them)
     * ``direct`` (CUDA): as ``staged`` with O_DIRECT reads (around the page cache: cold files)
     * ``mmap``: copy every tensor from the safetensors mmap slices
     * ``instanttensor`` (CUDA, optional extra): InstantTensor reads, weightcache copies into the views
@@ -269,6 +272,7 @@ class SafetensorsSource:
         stage_read: str = "pipeline",
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         windows: int = DEFAULT_WINDOWS,
+        tile_bytes: int = DEFAULT_TILE_BYTES,
     ):
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
@@ -281,7 +285,7 @@ class SafetensorsSource:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         for what, n in (("chunk_bytes", chunk_bytes), ("register_bytes", register_bytes),
-                        ("window_bytes", window_bytes)):
+                        ("window_bytes", window_bytes), ("tile_bytes", tile_bytes)):
             if not isinstance(n, int) or n < PAGE or n % PAGE:
                 raise ValueError(f"{what} must be a positive multiple of {PAGE}, got {n!r}")
         if io is None:
@@ -310,6 +314,7 @@ class SafetensorsSource:
         self.io = io
         self.depth, self.streams, self.order, self.hugepages = depth, streams, order, hugepages
         self.stage_read, self.window_bytes, self.windows = stage_read, window_bytes, windows
+        self.tile_bytes = tile_bytes
         self.plan = resolve_plan(self.model_dir, tp_plan) if tp_size > 1 or tp_plan is not None else TPPlan()
         # a plan other than transformers' own changes the bytes: it goes into the key
         self._custom_plan = tp_size > 1 and tp_plan is not None and not (isinstance(tp_plan, str) and tp_plan == "auto")

@@ -1,0 +1,251 @@
+/* The staged fill's copy loop in native threads (weightcache.sources.native_fill builds and loads it).
+ *
+ * Loads (each at most one window) are cut into tiles; `threads` workers take the next tile wherever it is,
+ * copy it out of the file's mapping into the load's window (one of `nwin` page-locked windows that stay in
+ * the CPU cache), and the worker that copies a load's last tile queues its device copies and records the
+ * window's event. A window is reused once the event of the load before it is done. No barrier per window,
+ * no lock held while copying. With `cuda` 0 the "device copies" are host memcpys (tests without a GPU).
+ * The CUDA driver is opened with dlopen: nothing to link at build time.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*ctx_set_fn)(void *);
+typedef int (*event_create_fn)(void **, unsigned);
+typedef int (*event_record_fn)(void *, void *);
+typedef int (*event_sync_fn)(void *);
+typedef int (*event_destroy_fn)(void *);
+typedef int (*memcpy_fn)(uint64_t, const void *, size_t, void *);
+typedef int (*stream_sync_fn)(void *);
+
+static struct {
+    int ready;
+    ctx_set_fn ctx_set;
+    event_create_fn event_create;
+    event_record_fn event_record;
+    event_sync_fn event_sync;
+    event_destroy_fn event_destroy;
+    memcpy_fn htod;
+    stream_sync_fn stream_sync;
+} cu;
+
+static pthread_mutex_t cu_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* 0 when the driver's entry points are there, else -1 */
+int wc_fill_open_driver(void) {
+    pthread_mutex_lock(&cu_lock);
+    if (!cu.ready) {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        if (h) {
+            cu.ctx_set = (ctx_set_fn)dlsym(h, "cuCtxSetCurrent");
+            cu.event_create = (event_create_fn)dlsym(h, "cuEventCreate");
+            cu.event_record = (event_record_fn)dlsym(h, "cuEventRecord");
+            cu.event_sync = (event_sync_fn)dlsym(h, "cuEventSynchronize");
+            cu.event_destroy = (event_destroy_fn)dlsym(h, "cuEventDestroy_v2");
+            cu.htod = (memcpy_fn)dlsym(h, "cuMemcpyHtoDAsync_v2");
+            cu.stream_sync = (stream_sync_fn)dlsym(h, "cuStreamSynchronize");
+            if (cu.ctx_set && cu.event_create && cu.event_record && cu.event_sync && cu.event_destroy &&
+                cu.htod && cu.stream_sync)
+                cu.ready = 1;
+        }
+    }
+    pthread_mutex_unlock(&cu_lock);
+    return cu.ready ? 0 : -1;
+}
+
+typedef struct {
+    /* per load */
+    const uint64_t *load_src;   /* address of the load's first byte in its file's mapping */
+    const uint64_t *load_len;   /* bytes copied into the window */
+    const int64_t *load_piece0; /* its first piece */
+    const int64_t *load_npieces;
+    /* per piece */
+    const uint64_t *piece_off; /* from the load's first byte */
+    const uint64_t *piece_dst; /* device (or, without cuda, host) address */
+    const uint64_t *piece_len;
+    int64_t nloads;
+    uint8_t *windows;
+    uint64_t window_bytes;
+    int nwin;
+    uint64_t tile;
+    int cuda;
+    void *ctx;
+    void *stream;
+    /* shared state */
+    int64_t *tile_load;
+    uint64_t *tile_off;
+    int64_t ntiles;
+    atomic_llong next_tile;
+    atomic_llong *left;
+    atomic_int *queued;
+    atomic_int *reclaimed;
+    pthread_mutex_t *slot_lock;
+    void **events;
+    atomic_int abort;
+    atomic_int err;
+    atomic_llong err_load;
+    atomic_ullong *done_bytes;
+} fill_t;
+
+static uint64_t load_bytes(fill_t *f, int64_t L) {
+    uint64_t n = 0;
+    for (int64_t i = 0; i < f->load_npieces[L]; i++) n += f->piece_len[f->load_piece0[L] + i];
+    return n;
+}
+
+static void fail(fill_t *f, int code, int64_t L) {
+    int zero = 0;
+    if (atomic_compare_exchange_strong(&f->err, &zero, code)) atomic_store(&f->err_load, L);
+    atomic_store(&f->abort, 1);
+}
+
+/* 1 once load P's copies are done (its window free), 0 on abort */
+static int reclaim(fill_t *f, int64_t P) {
+    if (atomic_load_explicit(&f->reclaimed[P], memory_order_acquire)) return 1;
+    while (!atomic_load_explicit(&f->queued[P], memory_order_acquire)) {
+        if (atomic_load(&f->abort)) return 0;
+        sched_yield();
+    }
+    int slot = (int)(P % f->nwin);
+    pthread_mutex_lock(&f->slot_lock[slot]);
+    if (!atomic_load(&f->reclaimed[P])) {
+        if (f->cuda) {
+            int rc = cu.event_sync(f->events[slot]);
+            if (rc) {
+                pthread_mutex_unlock(&f->slot_lock[slot]);
+                fail(f, rc, P);
+                return 0;
+            }
+        }
+        atomic_fetch_add(f->done_bytes, load_bytes(f, P));
+        atomic_store_explicit(&f->reclaimed[P], 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&f->slot_lock[slot]);
+    return 1;
+}
+
+static void issue(fill_t *f, int64_t L) {
+    int slot = (int)(L % f->nwin);
+    uint8_t *win = f->windows + (uint64_t)slot * f->window_bytes;
+    for (int64_t i = 0; i < f->load_npieces[L]; i++) {
+        int64_t p = f->load_piece0[L] + i;
+        if (f->cuda) {
+            int rc = cu.htod(f->piece_dst[p], win + f->piece_off[p], f->piece_len[p], f->stream);
+            if (rc) {
+                fail(f, rc, L);
+                return;
+            }
+        } else {
+            memcpy((void *)(uintptr_t)f->piece_dst[p], win + f->piece_off[p], f->piece_len[p]);
+        }
+    }
+    if (f->cuda) {
+        int rc = cu.event_record(f->events[slot], f->stream);
+        if (rc) {
+            fail(f, rc, L);
+            return;
+        }
+    }
+    atomic_store_explicit(&f->queued[L], 1, memory_order_release);
+}
+
+static void *worker(void *arg) {
+    fill_t *f = arg;
+    if (f->cuda) {
+        int rc = cu.ctx_set(f->ctx);
+        if (rc) {
+            fail(f, rc, -1);
+            return NULL;
+        }
+    }
+    for (;;) {
+        if (atomic_load(&f->abort)) break;
+        int64_t t = atomic_fetch_add(&f->next_tile, 1);
+        if (t >= f->ntiles) break;
+        int64_t L = f->tile_load[t];
+        if (L >= f->nwin && !reclaim(f, L - f->nwin)) break;
+        uint64_t off = f->tile_off[t];
+        uint64_t n = f->load_len[L] - off < f->tile ? f->load_len[L] - off : f->tile;
+        uint8_t *win = f->windows + (uint64_t)(L % f->nwin) * f->window_bytes;
+        memcpy(win + off, (const void *)(uintptr_t)(f->load_src[L] + off), n);
+        if (atomic_fetch_sub(&f->left[L], 1) == 1) issue(f, L);
+    }
+    return NULL;
+}
+
+/* 0 on success; else the CUDA error (or -1: out of memory, -2: threads) and *err_load the load it hit. */
+int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_t *load_piece0,
+                const int64_t *load_npieces, int64_t nloads, const uint64_t *piece_off, const uint64_t *piece_dst,
+                const uint64_t *piece_len, uint8_t *windows, uint64_t window_bytes, int nwin, int threads,
+                uint64_t tile, int cuda, void *ctx, void *stream, atomic_ullong *done_bytes, int64_t *err_load) {
+    fill_t f;
+    memset(&f, 0, sizeof f);
+    f.load_src = load_src, f.load_len = load_len, f.load_piece0 = load_piece0, f.load_npieces = load_npieces;
+    f.piece_off = piece_off, f.piece_dst = piece_dst, f.piece_len = piece_len, f.nloads = nloads;
+    f.windows = windows, f.window_bytes = window_bytes, f.nwin = nwin, f.tile = tile, f.cuda = cuda;
+    f.ctx = ctx, f.stream = stream, f.done_bytes = done_bytes;
+    *err_load = -1;
+    if (nloads == 0) return 0;
+    if (cuda && wc_fill_open_driver()) return -3;
+    int64_t ntiles = 0;
+    for (int64_t L = 0; L < nloads; L++) ntiles += (int64_t)((load_len[L] + tile - 1) / tile);
+    f.ntiles = ntiles;
+    f.tile_load = malloc(sizeof(int64_t) * (size_t)ntiles);
+    f.tile_off = malloc(sizeof(uint64_t) * (size_t)ntiles);
+    f.left = calloc((size_t)nloads, sizeof(atomic_llong));
+    f.queued = calloc((size_t)nloads, sizeof(atomic_int));
+    f.reclaimed = calloc((size_t)nloads, sizeof(atomic_int));
+    f.slot_lock = calloc((size_t)nwin, sizeof(pthread_mutex_t));
+    f.events = calloc((size_t)nwin, sizeof(void *));
+    pthread_t *pool = calloc((size_t)threads, sizeof(pthread_t));
+    int rc = 0, started = 0;
+    if (!f.tile_load || !f.tile_off || !f.left || !f.queued || !f.reclaimed || !f.slot_lock || !f.events || !pool) {
+        rc = -1;
+        goto out;
+    }
+    int64_t t = 0;
+    for (int64_t L = 0; L < nloads; L++) {
+        int64_t k = 0;
+        for (uint64_t off = 0; off < load_len[L]; off += tile, k++, t++) f.tile_load[t] = L, f.tile_off[t] = off;
+        atomic_init(&f.left[L], k);
+    }
+    for (int i = 0; i < nwin; i++) pthread_mutex_init(&f.slot_lock[i], NULL);
+    if (cuda) {
+        if ((rc = cu.ctx_set(ctx))) goto out;
+        for (int i = 0; i < nwin; i++)
+            if ((rc = cu.event_create(&f.events[i], 2 /* CU_EVENT_DISABLE_TIMING */))) goto out;
+    }
+    for (int64_t L = 0; L < nloads; L++)  /* a load with nothing to copy is queued at once */
+        if (load_len[L] == 0) issue(&f, L);
+    for (; started < threads; started++)
+        if (pthread_create(&pool[started], NULL, worker, &f)) {
+            fail(&f, -2, -1);
+            break;
+        }
+    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    if (cuda) {
+        int s = cu.stream_sync(stream);  /* every copy queued is done before the windows go */
+        if (s && !atomic_load(&f.err)) fail(&f, s, -1);
+    }
+    if (!atomic_load(&f.err)) {
+        for (int64_t L = 0; L < nloads; L++)
+            if (!atomic_load(&f.reclaimed[L])) atomic_fetch_add(done_bytes, load_bytes(&f, L));
+    }
+    rc = atomic_load(&f.err);
+    *err_load = atomic_load(&f.err_load);
+out:
+    if (cuda && f.events)
+        for (int i = 0; i < nwin; i++)
+            if (f.events[i]) cu.event_destroy(f.events[i]);
+    if (f.slot_lock)
+        for (int i = 0; i < nwin; i++) pthread_mutex_destroy(&f.slot_lock[i]);
+    free(f.tile_load), free(f.tile_off), free(f.left), free(f.queued), free(f.reclaimed), free(f.slot_lock);
+    free(f.events), free(pool);
+    return rc;
+}

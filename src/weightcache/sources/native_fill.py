@@ -1,0 +1,128 @@
+"""The staged fill's copy loop in native threads (``native/fill_loop.c``), built with the machine's C compiler
+on first use and cached; None where it cannot be built (the Python pipeline reads instead).
+
+Workers take the next tile of the next window wherever it is (no barrier per window, no GIL), the worker that
+copies a window's last tile queues its device copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "fill_loop.c"
+CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
+CACHE_ENV = "WEIGHTCACHE_NATIVE_DIR"
+USE_DRIVER = True  # False: the "device copies" are host memcpys (tests with a stand-in driver)
+POLL_SECONDS = 0.01
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+_i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class NativeFillError(RuntimeError):
+    """The loop failed: ``code`` is the CUDA error (or negative: -1 memory, -2 threads, -3 no driver)."""
+
+    def __init__(self, code: int, load: int):
+        super().__init__(f"native fill failed with {code} at load {load}")
+        self.code, self.load = code, load
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV)
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightcache" / "native"
+
+
+def built_name() -> str:
+    """The library's file name in the cache: one per version of the source and flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return f"fill_loop-{digest}.so"
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not)."""
+    out = _cache_dir() / built_name()
+    try:
+        if not out.exists():
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if not cc:
+                return None, "no C compiler"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                built = Path(tmp) / out.name
+                proc = subprocess.run([cc, *CFLAGS, "-o", str(built), str(SOURCE), "-ldl"], capture_output=True,
+                                      text=True, timeout=120)
+                if proc.returncode != 0:
+                    return None, f"{cc} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}"
+                os.replace(built, out)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    lib.wc_fill_run.restype = ctypes.c_int
+    lib.wc_fill_run.argtypes = [_u64p, _u64p, _i64p, _i64p, ctypes.c_int64, _u64p, _u64p, _u64p, ctypes.c_void_p,
+                                ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _i64p]
+    return lib, ""
+
+
+def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, window_bytes: int, nwin: int,
+        threads: int, tile: int, report: Callable[[int], None], ctx: int = 0, stream: int = 0,
+        cuda: bool | None = None) -> None:
+    """``loads``: (source address, bytes, [(offset in the load, destination address, bytes), ...]), each at
+    most ``window_bytes``; ``windows``: the address of ``nwin`` page-locked windows. ``report`` gets the bytes
+    delivered as windows come free. Raises NativeFillError."""
+    lib, why = library()
+    if lib is None:
+        raise RuntimeError(f"native fill loop unavailable: {why}")
+    if any(n > window_bytes for _, n, _ in loads):
+        raise ValueError("a load is larger than a window")
+    n = len(loads)
+    pieces = [pc for _, _, ps in loads for pc in ps]
+    first, k = [], 0
+    for _, _, ps in loads:
+        first.append(k)
+        k += len(ps)
+    arr = lambda t, xs: (t * max(len(xs), 1))(*xs)  # noqa: E731
+    args = (arr(ctypes.c_uint64, [a for a, _, _ in loads]), arr(ctypes.c_uint64, [m for _, m, _ in loads]),
+            arr(ctypes.c_int64, first), arr(ctypes.c_int64, [len(ps) for _, _, ps in loads]), n,
+            arr(ctypes.c_uint64, [o for o, _, _ in pieces]), arr(ctypes.c_uint64, [d for _, d, _ in pieces]),
+            arr(ctypes.c_uint64, [m for _, _, m in pieces]))
+    done = ctypes.c_uint64(0)
+    err_load = ctypes.c_int64(-1)
+    result: list[int] = []
+    use_driver = USE_DRIVER if cuda is None else cuda
+
+    def call() -> None:  # ctypes lets go of the GIL for the call
+        result.append(lib.wc_fill_run(*args, windows, window_bytes, nwin, threads, tile, int(use_driver), ctx,
+                                      stream, ctypes.byref(done), ctypes.byref(err_load)))
+
+    worker = threading.Thread(target=call, name="wc-fill-native", daemon=True)
+    worker.start()
+    sent = 0
+    while worker.is_alive():
+        worker.join(POLL_SECONDS)
+        now = done.value
+        if now > sent:
+            report(now - sent)
+            sent = now
+    rc = result[0] if result else -2
+    if rc != 0:
+        raise NativeFillError(rc, err_load.value)
+    if done.value > sent:
+        report(done.value - sent)
+
+
+__all__ = ["NativeFillError", "library", "run"]

@@ -1,0 +1,87 @@
+"""The native copy loop on the CPU: its "device copies" are host memcpys, everything else as on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from weightcache.sources import native_fill
+
+lib, why = native_fill.library()
+pytestmark = pytest.mark.skipif(lib is None, reason=f"native fill loop unavailable: {why}")
+
+
+def plan(src: torch.Tensor, dst: torch.Tensor, window: int, seed: int, gaps: bool):
+    """Loads of at most ``window`` bytes over ``src``, cut into random pieces landing in ``dst`` shuffled."""
+    rng = random.Random(seed)
+    loads, off, out = [], 0, 0
+    spans = []
+    while off < src.numel():
+        n = min(rng.randint(1, window), src.numel() - off)
+        pieces, o = [], 0
+        while o < n:
+            m = min(rng.randint(1, max(1, n // 3)), n - o)
+            if not (gaps and rng.random() < 0.2):  # a gap: read, not kept
+                pieces.append((o, off + o, m))
+            o += m
+        spans.append((off, n, pieces))
+        off += n
+    for a, n, pieces in spans:
+        placed = []
+        for o, _src, m in pieces:
+            placed.append((o, dst.data_ptr() + out, m))
+            out += m
+        loads.append((src.data_ptr() + a, n, placed))
+    want = torch.cat([src[s : s + m] for _, _, ps in spans for _, s, m in ps]) if out else src[:0]
+    return loads, want, out
+
+
+@pytest.mark.parametrize("threads,nwin,tile,window", [(1, 1, 4096, 1 << 16), (4, 2, 1000, 1 << 15),
+                                                      (8, 3, 1 << 12, 1 << 16), (3, 5, 1 << 20, 1 << 14)])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_native_loop_delivers_every_piece(threads, nwin, tile, window, gaps):
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    dst = torch.zeros(3 << 20, dtype=torch.uint8)
+    windows = torch.empty(nwin * window, dtype=torch.uint8)
+    loads, want, total = plan(src, dst, window, seed=threads * 7 + nwin, gaps=gaps)
+    got = []
+    native_fill.run(loads, windows.data_ptr(), window, nwin, threads, tile, got.append, cuda=False)
+    assert torch.equal(dst[:total], want)
+    assert sum(got) == total
+
+
+def test_native_loop_refuses_a_load_larger_than_a_window():
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="larger than a window"):
+        native_fill.run([(buf.data_ptr(), 1 << 16, [])], buf.data_ptr(), 1 << 12, 1, 1, 1 << 12, lambda n: None,
+                        cuda=False)
+
+
+def test_native_loop_without_a_driver_says_so():
+    if native_fill.library()[0].wc_fill_open_driver() == 0:
+        pytest.skip("this machine has a CUDA driver")
+    buf = torch.zeros(1 << 12, dtype=torch.uint8)
+    with pytest.raises(native_fill.NativeFillError) as e:
+        native_fill.run([(buf.data_ptr(), 1 << 12, [(0, buf.data_ptr(), 1 << 12)])], buf.data_ptr(), 1 << 12, 1, 1,
+                        1 << 12, lambda n: None, cuda=True)
+    assert e.value.code == -3
+
+
+def test_library_built_once_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv(native_fill.CACHE_ENV, str(tmp_path))
+    native_fill.library.cache_clear()
+    try:
+        got, why = native_fill.library()
+        assert got is not None, why
+        assert [p.name for p in tmp_path.iterdir()] == [native_fill.built_name()]
+        monkeypatch.setenv("CC", "/nonexistent/cc")  # built already: no compiler needed
+        native_fill.library.cache_clear()
+        assert native_fill.library()[0] is not None
+        monkeypatch.setenv(native_fill.CACHE_ENV, str(tmp_path / "fresh"))
+        native_fill.library.cache_clear()
+        none, why = native_fill.library()
+        assert none is None and "nonexistent" in why
+    finally:
+        native_fill.library.cache_clear()
