@@ -22,7 +22,7 @@ Warm (page cache), methods (--methods):
 --sweep runs SafetensorsSource with other options in the same run: "h200" (a grid for one GPU) or specs
 such as "io=register,threads=8,register_mb=256;io=staged,depth=3,streams=3". Keys: io, threads, chunk_mb,
 register_mb, depth, streams, order (file|interleave), hugepages (0|1; else the source's default), stage_read
-(pipeline|memcpy|preadv), window_mb and windows (the pipeline's), intra_threads (torch's intra-op threads, which
+(native|pipeline|memcpy|preadv), window_mb, windows and tile_kb (the native loop's and the pipeline's), intra_threads (torch's intra-op threads, which
 make the pipeline's copies), sendfile (0: CPU arena filled with preadv through its mapping instead of sendfile into its memfd).
 
 Cold (--cold-dir on a real disk, --cold-gb): a second checkpoint is written there, and before each load its
@@ -64,13 +64,13 @@ from weightcache.sources.filemap import drop_from_page_cache, resident_fraction,
 from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
-SWEEP_H200 = [  # the plain path's previous default, the pipeline's windows and copy threads, the workers' copies
+SWEEP_H200 = [  # the previous defaults, the native loop's knobs, the workers' copies
+    "io=staged,stage_read=pipeline",
     "io=staged,stage_read=preadv,chunk_mb=16",
-    "io=staged,windows=2",
-    "io=staged,window_mb=16,windows=4",
-    "io=staged,window_mb=64,windows=2",
-    "intra_threads=12",
-    "io=staged,stage_read=memcpy,threads=12,chunk_mb=2,depth=3",  # InstantTensor's MMAP layout: 12 x 2 MiB x 3
+    "io=staged,stage_read=native,threads=12",
+    "io=staged,stage_read=native,windows=4",
+    "io=staged,stage_read=native,window_mb=16,windows=6",
+    "io=staged,stage_read=native,tile_kb=4096",
     "io=staged,stage_read=memcpy,chunk_mb=8",
     "io=register,threads=16,register_mb=128",
 ]

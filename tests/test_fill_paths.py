@@ -453,7 +453,8 @@ def cuda_fill_run(ckpt, r, dtype=None, **kw):
 @pytest.mark.parametrize("io", ["staged", "register", "direct", "auto"])
 @pytest.mark.parametrize("kw", [dict(threads=1), dict(threads=3, depth=3, streams=2, order="interleave"),
                                 dict(stage_read="memcpy", threads=2), dict(stage_read="preadv", threads=2),
-                                dict(windows=1, window_bytes=PAGE), dict(windows=2, window_bytes=3 * PAGE),
+                                dict(stage_read="pipeline", windows=1, window_bytes=PAGE),
+                                dict(stage_read="pipeline", windows=2, window_bytes=3 * PAGE),
                                 dict(stage_read="native", threads=3, windows=2, window_bytes=3 * PAGE, tile_bytes=PAGE),
                                 dict(stage_read="native", threads=1, windows=1, window_bytes=2 * PAGE,
                                      tile_bytes=4 * PAGE)])
@@ -492,6 +493,7 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
 
 def test_cuda_fill_native_unavailable_copies_with_torch(ckpt, fake_cuda, monkeypatch, caplog):
     monkeypatch.setattr(cuda_fill.native_fill, "library", lambda: (None, "no C compiler"))
+    cuda_fill._native_unavailable.cache_clear()  # said once per process
     with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
         fill = cuda_fill_run(ckpt, 0, io="staged", stage_read="native", window_bytes=2 * PAGE)
     assert set(fill.modes.values()) == {"staged"}

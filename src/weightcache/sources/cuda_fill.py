@@ -6,9 +6,10 @@ Per file, one way (SafetensorsSource's ``io``):
   cuMemHostRegister of the file's shared mapping) and the GPU copies straight from them; no CPU copy. The
   range is unregistered once its copies are done.
 * ``staged``: a CPU copy of the segment out of the page cache into pinned staging memory, then host-to-device
-  copies. The source's ``stage_read``: ``pipeline`` (the calling thread copies each window of the file's
-  shared mapping with torch's intra-op threads into a few windows that stay in the CPU cache, while the
-  previous windows' DMA runs), ``memcpy`` (each worker from the mapping into its own buffers), ``preadv``.
+  copies. The source's ``stage_read``: ``native`` (native workers, native_fill.py, copy tiles of the file's
+  shared mapping into a few windows that stay in the CPU cache; the one that fills a window queues its DMA),
+  ``pipeline`` (the same windows, each copied in turn by torch's intra-op threads), ``memcpy`` (each worker
+  from the mapping into its own buffers), ``preadv``.
 * ``direct``: as ``staged`` with O_DIRECT reads of the page-aligned range (cold files, no page cache).
 
 A slot (staging buffer or registered range, CUDA event) is reused only after its copies are done. A range
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -111,6 +113,11 @@ class _HugeStaging:
         self.tensor = None
         with contextlib.suppress(BufferError):
             self._mm.close()  # else when the last view is gone
+
+
+@functools.cache
+def _native_unavailable(why: str) -> None:
+    log.warning("the native fill loop cannot be built (%s); torch's copies instead", why)
 
 
 class _Slot:
@@ -298,7 +305,7 @@ class CudaFill:
                 lib, why = native_fill.library()
                 if lib is not None:
                     return self._native(loads)
-                log.warning("the native fill loop cannot be built (%s); torch's copies instead", why)
+                _native_unavailable(why)
         ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
         with ctx, torch.cuda.device(self.device):
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
