@@ -530,3 +530,16 @@ def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path,
     with pytest.raises(CheckpointError, match="b.safetensors"):
         cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
     assert fake_cuda.live == {}
+
+
+def test_native_threads_leave_cores_unless_given(tmp_path, monkeypatch):
+    from weightcache.checkpoints import make_llama_checkpoint
+    from weightcache.sources.safetensors import SafetensorsSource
+
+    ckpt = make_llama_checkpoint(tmp_path / "m", num_layers=1, hidden_size=64, intermediate_size=128, num_heads=4,
+                                 num_kv_heads=2, vocab_size=128)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert SafetensorsSource(ckpt, progress=False).native_threads == 12
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert SafetensorsSource(ckpt, progress=False).native_threads == 1
+    assert SafetensorsSource(ckpt, threads=3, progress=False).native_threads == 3

@@ -85,3 +85,4 @@ def test_library_built_once_per_source(tmp_path, monkeypatch):
         assert none is None and "nonexistent" in why
     finally:
         native_fill.library.cache_clear()
+

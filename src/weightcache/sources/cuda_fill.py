@@ -340,7 +340,7 @@ class CudaFill:
                      [(p.offset - part.start, self.ptrs[p.name] + p.dst_offset, p.nbytes) for p in part.pieces])
                     for part in loads]
             try:
-                native_fill.run(plan, area.data_ptr(), w, nwin, self.src.threads, self.src.tile_bytes, self.report,
+                native_fill.run(plan, area.data_ptr(), w, nwin, self.src.native_threads, self.src.tile_bytes, self.report,
                                 ctx=ctx, stream=stream.cuda_stream)
             except native_fill.NativeFillError as e:
                 part = loads[e.load] if 0 <= e.load < len(loads) else None
