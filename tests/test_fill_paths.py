@@ -537,7 +537,7 @@ def test_native_threads_leave_cores_unless_given(tmp_path, monkeypatch):
     from weightcache.sources.safetensors import SafetensorsSource
 
     ckpt = make_llama_checkpoint(tmp_path / "m", num_layers=1, hidden_size=64, intermediate_size=128, num_heads=4,
-                                 num_kv_heads=2, vocab_size=128)
+                                 num_kv_heads=2, vocab_size=512)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert SafetensorsSource(ckpt, progress=False).native_threads == 12
     monkeypatch.setattr("os.cpu_count", lambda: 2)
