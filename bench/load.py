@@ -65,12 +65,11 @@ from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
 SWEEP_H200 = [  # the previous defaults, the native loop's knobs, the workers' copies
-    "io=staged,stage_read=pipeline",
+    "io=staged,stage_read=pipeline,window_mb=32,windows=3",
+    "io=staged,stage_read=native,window_mb=32,windows=3,threads=16",
+    "io=staged,stage_read=native,threads=16",
+    "io=staged,stage_read=native,window_mb=32,windows=4",
     "io=staged,stage_read=preadv,chunk_mb=16",
-    "io=staged,stage_read=native,threads=12",
-    "io=staged,stage_read=native,windows=4",
-    "io=staged,stage_read=native,window_mb=16,windows=6",
-    "io=staged,stage_read=native,tile_kb=4096",
     "io=staged,stage_read=memcpy,chunk_mb=8",
     "io=register,threads=16,register_mb=128",
 ]
