@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -86,3 +87,17 @@ def test_library_built_once_per_source(tmp_path, monkeypatch):
     finally:
         native_fill.library.cache_clear()
 
+
+
+def test_native_loop_finishes_before_a_failing_report_returns():
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    windows = torch.empty(2 << 16, dtype=torch.uint8)
+    loads = [(src.data_ptr() + a, 1 << 16, [(0, dst.data_ptr() + a, 1 << 16)]) for a in range(0, 1 << 20, 1 << 16)]
+
+    def report(n):
+        raise RuntimeError("progress sink gone")
+
+    with pytest.raises(RuntimeError, match="progress sink gone"):
+        native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 4, 4096, report, cuda=False)
+    assert not any(t.name == "wc-fill-native" and t.is_alive() for t in threading.enumerate())

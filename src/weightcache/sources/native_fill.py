@@ -112,12 +112,15 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
     worker = threading.Thread(target=call, name="wc-fill-native", daemon=True)
     worker.start()
     sent = 0
-    while worker.is_alive():
-        worker.join(POLL_SECONDS)
-        now = done.value
-        if now > sent:
-            report(now - sent)
-            sent = now
+    try:
+        while worker.is_alive():
+            worker.join(POLL_SECONDS)
+            now = done.value
+            if now > sent:
+                report(now - sent)
+                sent = now
+    finally:
+        worker.join()  # the windows stay until the loop has stopped using them, whatever happens here
     rc = result[0] if result else -2
     if rc != 0:
         raise NativeFillError(rc, err_load.value)
