@@ -247,7 +247,7 @@ class CudaFill:
                 os.close(fd)
             unmap_later(list(self.maps.values()))
 
-    # -- the pipeline (staged, stage_read="pipeline") -----------------------------------------------
+    # -- the windows (staged, stage_read="native" or "pipeline") --------------------------------------
 
     @contextlib.contextmanager
     def _on_device(self):
@@ -306,8 +306,7 @@ class CudaFill:
                 if lib is not None:
                     return self._native(loads)
                 _native_unavailable(why)
-        ctx = self.arena.device_context(self.index) if self.cu is not None else contextlib.nullcontext()
-        with ctx, torch.cuda.device(self.device):
+        with self._on_device():
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
             mapped = {f: torch.frombuffer((ctypes.c_ubyte * self.maps[f].size).from_address(self.maps[f].addr),
                                           dtype=torch.uint8) for f in {part.file for part in loads}}
