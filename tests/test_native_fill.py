@@ -60,6 +60,15 @@ def test_native_loop_refuses_a_load_larger_than_a_window():
                         cuda=False)
 
 
+@pytest.mark.parametrize("bad", [dict(nwin=0), dict(threads=0), dict(tile=0), dict(window_bytes=0)])
+def test_native_loop_refuses_bad_sizes(bad):
+    buf = torch.zeros(1 << 12, dtype=torch.uint8)
+    kw = dict(window_bytes=1 << 12, nwin=1, threads=1, tile=1 << 12) | bad
+    with pytest.raises(ValueError, match="must be a positive int"):
+        native_fill.run([], buf.data_ptr(), kw["window_bytes"], kw["nwin"], kw["threads"], kw["tile"], lambda n: None,
+                        cuda=False)
+
+
 def test_native_loop_without_a_driver_says_so():
     if native_fill.library()[0].wc_fill_open_driver() == 0:
         pytest.skip("this machine has a CUDA driver")

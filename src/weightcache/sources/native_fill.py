@@ -87,6 +87,9 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
     lib, why = library()
     if lib is None:
         raise RuntimeError(f"native fill loop unavailable: {why}")
+    for what, v in (("windows", nwin), ("threads", threads), ("tile", tile), ("window_bytes", window_bytes)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{what} must be a positive int, got {v!r}")
     if any(n > window_bytes for _, n, _ in loads):
         raise ValueError("a load is larger than a window")
     n = len(loads)
