@@ -271,8 +271,7 @@ class CudaFill:
         """``windows`` slots on ``stream``, each with its ``window_bytes`` of one page-locked area."""
         w = self.src.window_bytes
         slots = [_Slot(stream) for _ in range(self.src.windows)]
-        owner = self._window_memory(w * len(slots))
-        area = owner.tensor if isinstance(owner, _HugeStaging) else owner
+        owner, area = self._window_area(w * len(slots))
         for k, s in enumerate(slots):
             s.buf = area[k * w : (k + 1) * w]
         return slots, owner
@@ -290,8 +289,7 @@ class CudaFill:
         finally:
             for s in slots:
                 s.buf = None
-            if isinstance(owner, _HugeStaging):
-                unmap_later([owner])  # unregistering and unmapping: not on the fill's path
+            CudaFill._release_window_area(owner)
 
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
@@ -327,8 +325,7 @@ class CudaFill:
         w, nwin = self.src.window_bytes, self.src.windows
         with self._on_device():
             stream = torch.cuda.Stream(device=self.device)
-            owner = self._window_memory(w * nwin)
-            area = owner.tensor if isinstance(owner, _HugeStaging) else owner
+            owner, area = self._window_area(w * nwin)
             ctx = 0
             if native_fill.USE_DRIVER:
                 err, current = self.cu.cuCtxGetCurrent()
@@ -347,8 +344,17 @@ class CudaFill:
                 name = _err_name(self.cu, self.cu.CUresult(e.code)) if e.code > 0 else str(e)
                 raise CheckpointError(f"{where} to the device failed: {name}") from e
             finally:
-                if isinstance(owner, _HugeStaging):
-                    unmap_later([owner])
+                self._release_window_area(owner)
+
+    def _window_area(self, nbytes: int):
+        """(what owns the windows' page-locked memory, a uint8 tensor over it)."""
+        owner = self._window_memory(nbytes)
+        return owner, owner.tensor if isinstance(owner, _HugeStaging) else owner
+
+    @staticmethod
+    def _release_window_area(owner) -> None:
+        if isinstance(owner, _HugeStaging):
+            unmap_later([owner])  # unregistering and unmapping: not on the fill's path
 
     def _window_memory(self, nbytes: int):
         if self.src.hugepages and not self._huge_failed:

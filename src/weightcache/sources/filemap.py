@@ -84,6 +84,7 @@ def unmap_later(maps: list) -> None:
     it (the next mmap in the process does)."""
     if maps:
         t = threading.Thread(target=lambda: [m.close() for m in maps], name="wc-unmap", daemon=True)
+        _unmapping[:] = [u for u in _unmapping if u.is_alive()]  # a long-lived daemon keeps no finished ones
         _unmapping.append(t)
         t.start()
 

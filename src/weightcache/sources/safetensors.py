@@ -237,11 +237,12 @@ class SafetensorsSource:
     * ``register`` (CUDA): page-lock the page-cache pages of each ``register_bytes`` range (read-only
       cuMemHostRegister) and copy from them; falls back to ``staged`` where the driver refuses
     * ``staged`` (CUDA): a CPU copy into pinned staging memory, then copy. ``stage_read``: "native" (the
-      default: ``threads`` native workers (without ``threads``: 12, and 4 cores left) copy the file's mapping ``tile_bytes`` at a time into ``windows``
-      windows of ``window_bytes``, small enough to stay in the CPU cache, and queue each window's device
-      copies as it fills; built with the machine's C compiler on first use, the pipeline where it cannot be),
-      "pipeline" (one thread walks the windows, torch's intra-op threads copy each one), "memcpy" (each worker copies from the mapping into its own
-      ``chunk_bytes`` buffers) or "preadv" (each worker reads into them)
+      default: ``threads`` native workers, without ``threads`` 12 and 4 cores left, copy the file's mapping
+      ``tile_bytes`` at a time into ``windows`` windows of ``window_bytes``, small enough to stay in the CPU
+      cache, and queue each window's device copies as it fills; built with the machine's C compiler on first
+      use, the pipeline where it cannot be), "pipeline" (one thread walks the windows, torch's intra-op
+      threads copy each one), "memcpy" (each worker copies from the mapping into its own ``chunk_bytes``
+      buffers) or "preadv" (each worker reads into them)
     * ``direct`` (CUDA): as ``staged`` with O_DIRECT reads (around the page cache: cold files)
     * ``mmap``: copy every tensor from the safetensors mmap slices
     * ``instanttensor`` (CUDA, optional extra): InstantTensor reads, weightcache copies into the views
