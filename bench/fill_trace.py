@@ -53,7 +53,7 @@ def _instrument() -> None:
     cuda_fill.CudaFill._window_memory = _timed("window memory", cuda_fill.CudaFill._window_memory)
     cuda_fill.CudaFill._close_windows = staticmethod(_timed("close windows", cuda_fill.CudaFill._close_windows))
     cuda_fill.CudaFill._window_loads = _timed("cut windows", cuda_fill.CudaFill._window_loads)
-    cuda_fill.CudaFill._pipeline = _timed("pipeline (all)", cuda_fill.CudaFill._pipeline)
+    cuda_fill.CudaFill._pipeline = _timed("window loop (all)", cuda_fill.CudaFill._pipeline)
     cuda_fill.unmap_later = _timed("unmap_later", cuda_fill.unmap_later)
     for name in ("work_items", "open_files", "plan_reads", "_check_views"):
         setattr(SafetensorsSource, name, _timed(name.strip("_"), getattr(SafetensorsSource, name)))
