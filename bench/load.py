@@ -262,6 +262,7 @@ def _run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Re
                             **source_kwargs(opts, args))
     if not opts.get("sendfile", 1):
         src._sendfile_ok = False  # the CPU path before sendfile: preadv through the arena's mapping
+    src.prepare_fill()  # as Daemon.load does: staging made while the arena is allocated
     arena = ArenaViews(src.describe(), device, not args.no_arena)
     sync(device)
     t1 = time.perf_counter()

@@ -444,6 +444,30 @@ def test_failed_load_is_reported_to_engines(sockdir):
     assert not os.path.exists(_sock(sockdir))
 
 
+class PreparedBrokenSource(BrokenSource):
+    """A source that stages (prepare_fill) and fails: what it prepared must go."""
+
+    prepared = released = 0
+
+    def prepare_fill(self):
+        self.prepared += 1
+
+    def release_prepared(self):
+        self.released += 1
+
+
+def test_failed_load_releases_what_the_source_prepared(sockdir):
+    daemon = wc.Daemon(_sock(sockdir), KEY)
+    daemon.start()
+    src = PreparedBrokenSource()
+    try:
+        with pytest.raises(FileNotFoundError):
+            daemon.load(src)
+    finally:
+        daemon.close()
+    assert (src.prepared, src.released) == (1, 1)
+
+
 def test_host_arena_out_of_memory_is_clear():
     from weightcache.arena.host import HostBlock
 

@@ -532,6 +532,90 @@ def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path,
     assert fake_cuda.live == {}
 
 
+def _count_windows(monkeypatch):
+    made, closed = [], []
+    real = cuda_fill.native_fill.Windows
+
+    class Counted(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self.base)
+
+        def close(self):
+            if self._map:
+                closed.append(self.base)
+            super().close()
+
+    monkeypatch.setattr(cuda_fill.native_fill, "Windows", Counted)
+    return made, closed
+
+
+def _native_source(ckpt, **kw):
+    return SafetensorsSource(ckpt, tp_rank=0, tp_size=2, tp_plan=PLAN, io="staged", stage_read="native",
+                             window_bytes=2 * PAGE, windows=2, device="cuda:0", progress=False, **kw)
+
+
+def test_prepared_windows_are_the_ones_the_fill_uses(ckpt, fake_cuda, monkeypatch):
+    made, closed = _count_windows(monkeypatch)
+    seen = []
+    real_run = cuda_fill.native_fill.run
+    monkeypatch.setattr(cuda_fill.native_fill, "run", lambda plan, base, *a, **k: (seen.append(base),
+                                                                                     real_run(plan, base, *a, **k)))
+    src = _native_source(ckpt)
+    src.prepare_fill()
+    views = views_for(src)
+    pieces, slices = src.plan_reads(views)
+    cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    wait_unmapped()
+    assert len(made) == 1 and seen == made and closed == made  # made once, before the fill; freed after
+    want = reference(ckpt, 0, 2, None)
+    assert all(torch.equal(views[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("change", ["windows", "stage_read"])
+def test_windows_prepared_for_another_loop_are_freed(ckpt, fake_cuda, monkeypatch, change):
+    made, closed = _count_windows(monkeypatch)
+    src = _native_source(ckpt)
+    src.prepare_fill()
+    if change == "windows":
+        src.windows = 3  # the fill makes its own
+    else:
+        src.stage_read = "pipeline"  # no native loop reads
+    views = views_for(src)
+    pieces, slices = src.plan_reads(views)
+    cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    wait_unmapped()
+    assert len(made) == (2 if change == "windows" else 1) and sorted(closed) == sorted(made)
+    assert src.take_prepared() is None
+
+
+def test_windows_prepared_and_not_filled_are_freed(ckpt, fake_cuda, monkeypatch):
+    made, closed = _count_windows(monkeypatch)
+    src = _native_source(ckpt)
+    src.prepare_fill()
+    src.prepare_fill()  # once is enough
+    src.release_prepared()
+    wait_unmapped()
+    assert len(made) == 1 and closed == made
+    src.prepare_fill()
+    with pytest.raises(CheckpointError, match="no destination view"):
+        src.fill({})  # a fill that fails before it reads frees them too
+    wait_unmapped()
+    assert len(made) == 2 and sorted(closed) == sorted(made)
+
+
+def test_prepare_fill_makes_nothing_for_cpu_sources_or_other_readers(ckpt, fake_cuda, monkeypatch):
+    made, _ = _count_windows(monkeypatch)
+    SafetensorsSource(ckpt, io="staged", stage_read="native", progress=False).prepare_fill()  # a CPU source
+    for kw in (dict(stage_read="pipeline"), dict(stage_read="preadv")):
+        s = SafetensorsSource(ckpt, io="staged", device="cuda:0", progress=False, **kw)
+        s.prepare_fill()
+        assert s.take_prepared() is None
+    s = SafetensorsSource(ckpt, io="direct", stage_read="native", device="cuda:0", progress=False)
+    s.prepare_fill()
+    assert s.take_prepared() is None and made == []
+
+
 def test_native_threads_leave_cores_unless_given(tmp_path, monkeypatch):
     from weightcache.checkpoints import make_llama_checkpoint
     from weightcache.sources.safetensors import SafetensorsSource

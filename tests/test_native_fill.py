@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 
@@ -110,3 +111,51 @@ def test_native_loop_finishes_before_a_failing_report_returns():
     with pytest.raises(RuntimeError, match="progress sink gone"):
         native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 4, 4096, report, cuda=False)
     assert not any(t.name == "wc-fill-native" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_windows_are_aligned_writable_and_freed_once(threads):
+    w = native_fill.Windows(6 << 20, lock=False, threads=threads)
+    assert w.base % (2 << 20) == 0 and set(w.seconds) == {"map", "fault", "lock"}
+    area = (ctypes.c_ubyte * w.nbytes).from_address(w.base)
+    assert bytes(area[:4096]) == bytes(4096)  # faulted in, zeroed
+    ctypes.memset(w.base, 7, w.nbytes)
+    assert area[0] == area[w.nbytes - 1] == 7
+    del area
+    w.close()
+    w.close()  # a second close is a no-op
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_windows_refuse_a_bad_size(bad):
+    with pytest.raises(ValueError, match="windows of"):
+        native_fill.Windows(bad, lock=False)
+
+
+def test_native_loop_reports_its_timeline():
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    windows = torch.empty(2 << 16, dtype=torch.uint8)
+    loads, want, total = plan(src, dst, 1 << 16, seed=3, gaps=False)
+    native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 3, 1 << 12, lambda n: None, cuda=False)
+    assert torch.equal(dst[:total], want)
+    st = native_fill.last_stats
+    assert set(st) == set(native_fill.STATS)
+    assert 0 < st["first_queued"] <= st["last_queued"] <= st["joined"] <= st["synced"]
+    assert st["copying"] > 0
+
+
+@pytest.mark.parametrize("flag", ["SKIP_HOST_COPY", "SKIP_DEVICE_COPY"])
+def test_native_loop_can_leave_one_side_out(flag):
+    src = torch.randint(1, 256, (1 << 20,), dtype=torch.uint8)  # no zero byte
+    dst = torch.zeros_like(src)
+    windows = torch.zeros(2 << 16, dtype=torch.uint8)
+    loads, _, total = plan(src, dst, 1 << 16, seed=5, gaps=False)
+    got = []
+    native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 2, 1 << 12, got.append, cuda=False,
+                    flags=getattr(native_fill, flag))
+    assert sum(got) == total  # every window still comes free and is counted
+    if flag == "SKIP_DEVICE_COPY":
+        assert not dst.any() and windows.any()  # read from the file, never delivered
+    else:
+        assert not dst.any() and not windows.any()  # delivered windows that nothing was read into

@@ -285,6 +285,8 @@ class Daemon:
         """Plan from the source's description, allocate the arena, let the source fill it in place."""
         t0 = self._load_t0 = time.monotonic()
         try:
+            if hasattr(source, "prepare_fill"):
+                source.prepare_fill()  # its staging buffers made while the arena is allocated
             manifest = plan_for_metas(source.describe(), self.block_bytes)
             self._total = sum(s.nbytes for s in manifest.storages)
             views = build_views(manifest, self._allocate(manifest))
@@ -292,6 +294,8 @@ class Daemon:
             del views  # the writable views go before the blocks are sealed
             self._finish(manifest, t0)
         except BaseException as e:
+            if hasattr(source, "release_prepared"):
+                source.release_prepared()
             self.fail(f"{type(e).__name__}: {e}")
             raise
 

@@ -43,6 +43,8 @@ COLD_IO = "direct"  # auto: a file mostly not in the page cache
 HUGE = 2 << 20
 _REGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE
+WINDOW_FAULT_THREADS = 8  # fault the native loop's windows in: 3 ms for 96 MiB, the kernel alone 15-18 ms
+NATIVE_EARLY = True  # a fill not prepared (prepare_windows) makes its windows on a thread while it plans
 
 
 def _driver():
@@ -120,6 +122,66 @@ def _native_unavailable(why: str) -> None:
     log.warning("the native fill loop cannot be built (%s); torch's copies instead", why)
 
 
+def _context(cu, arena, index: int) -> int:
+    """The device's primary context (the driver's handle), 0 when copies do not go through the driver."""
+    if not native_fill.USE_DRIVER:
+        return 0
+    with arena.device_context(index):
+        err, current = cu.cuCtxGetCurrent()
+    if _status(err) != cu.CUresult.CUDA_SUCCESS:
+        raise CheckpointError(f"no CUDA context for the fill: {_err_name(cu, err)}")
+    return int(current)
+
+
+def _make_windows(nbytes: int, ctx: int) -> native_fill.Windows:
+    return native_fill.Windows(nbytes, lock=native_fill.USE_DRIVER, ctx=ctx,
+                               threads=min(WINDOW_FAULT_THREADS, os.cpu_count() or 1))
+
+
+def prepare_windows(src, index: int) -> _EarlyWindows | None:
+    """Start making the native loop's windows for a fill by ``src`` into device ``index`` (before its
+    destinations exist, so that it overlaps their allocation); None where that loop cannot read."""
+    if src.stage_read != "native":
+        return None
+    cu, arena = _driver()
+    if cu is None or native_fill.library()[0] is None:
+        return None  # the fill says why
+    return _EarlyWindows(src.window_bytes, src.windows, index, _context(cu, arena, index))
+
+
+class _EarlyWindows:
+    """The native loop's windows, made on a thread of their own (the kernel's and the driver's work: no
+    GIL held) while the caller goes on."""
+
+    def __init__(self, window_bytes: int, windows: int, index: int, ctx: int):
+        self.shape = (window_bytes, windows, index)
+        self._made: native_fill.Windows | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._make, args=(window_bytes * windows, ctx), name="wc-windows",
+                                        daemon=True)
+        self._thread.start()
+
+    def _make(self, nbytes: int, ctx: int) -> None:
+        try:
+            self._made = _make_windows(nbytes, ctx)
+        except BaseException as e:  # noqa: BLE001 - raised where the windows are taken
+            self._error = e
+
+    def take(self) -> native_fill.Windows:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        made, self._made = self._made, None
+        return made
+
+    def release(self) -> None:
+        """Windows never taken (no fill, or one that failed before its loop) are freed."""
+        self._thread.join()
+        if self._made is not None:
+            unmap_later([self._made])
+            self._made = None
+
+
 class _Slot:
     """One copy in flight: a CUDA event, the bytes it will have delivered, what to release after it."""
 
@@ -169,6 +231,7 @@ class CudaFill:
         self.direct_fds: dict[Path, int] = {}
         self._huge_failed = False
         self._torch_copies = False  # the driver's copy failed once: torch's from then on
+        self._early: _EarlyWindows | None = None
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -184,7 +247,7 @@ class CudaFill:
                 except OSError as e:
                     raise CheckpointError(f"cannot map checkpoint file {f}: {e}") from e
             if io == "auto":
-                mode = COLD_IO if fm.resident_fraction() < RESIDENT else MEMORY_IO if in_memory_fs(f) else WARM_IO
+                mode = MEMORY_IO if in_memory_fs(f) else COLD_IO if fm.resident_fraction() < RESIDENT else WARM_IO
             if mode == "register" and why_not:
                 if io == "register":
                     log.warning("cannot register %s for DMA (%s); copying through staging buffers", f.name, why_not)
@@ -232,6 +295,15 @@ class CudaFill:
         fds = {}
         try:
             self._choose_modes()
+            early = self.src.take_prepared()
+            native = any(self._pipelined(f) for f in self.maps) and self._native_usable()
+            if early is not None and (not native or early.shape != (self.src.window_bytes, self.src.windows,
+                                                                     self.index)):
+                early.release()  # no native loop, or windows prepared for another one
+                early = None
+            if native and early is None and NATIVE_EARLY:
+                early = prepare_windows(self.src, self.index)
+            self._early = early
             self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
             self.stage_bytes = self._stage_bytes()
             fds = self.src.open_files({i.file for i in self.items})
@@ -243,6 +315,8 @@ class CudaFill:
             run_workers(self.src.threads, rest, self._worker)
         finally:
             self.src.last_modes = {f.name: m for f, m in self.modes.items()}
+            if self._early is not None:
+                self._early.release()
             for fd in [*fds.values(), *self.direct_fds.values()]:
                 os.close(fd)
             unmap_later(list(self.maps.values()))
@@ -296,14 +370,8 @@ class CudaFill:
         next free window, then queued to the device on one stream (``stage_read="native"``: by the native
         loop's workers, where it can be built)."""
         loads = self._window_loads(segments)
-        if self.src.stage_read == "native":
-            if self.cu is None:
-                log.info("stage_read=native needs cuda-bindings; torch's copies instead")
-            else:
-                lib, why = native_fill.library()
-                if lib is not None:
-                    return self._native(loads)
-                _native_unavailable(why)
+        if self._early is not None or self._native_usable():
+            return self._native(loads)
         with self._on_device():
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
             mapped = {f: torch.frombuffer((ctypes.c_ubyte * self.maps[f].size).from_address(self.maps[f].addr),
@@ -321,30 +389,39 @@ class CudaFill:
                 mapped.clear()
                 self._close_windows(slots, owner, self.report if ok else None)
 
+    def _native_usable(self) -> bool:
+        if self.src.stage_read != "native":
+            return False
+        if self.cu is None:
+            log.info("stage_read=native needs cuda-bindings; torch's copies instead")
+            return False
+        lib, why = native_fill.library()
+        if lib is None:
+            _native_unavailable(why)
+        return lib is not None
+
     def _native(self, loads: list[Segment]) -> None:
         w, nwin = self.src.window_bytes, self.src.windows
-        with self._on_device():
-            stream = torch.cuda.Stream(device=self.device)
-            owner, area = self._window_area(w * nwin)
-            ctx = 0
-            if native_fill.USE_DRIVER:
-                err, current = self.cu.cuCtxGetCurrent()
-                if _status(err) != self.cu.CUresult.CUDA_SUCCESS:
-                    raise CheckpointError(f"no CUDA context for the fill: {_err_name(self.cu, err)}")
-                ctx = int(current)
-            plan = [(self.maps[part.file].addr + part.start, part.end - part.start,
-                     [(p.offset - part.start, self.ptrs[p.name] + p.dst_offset, p.nbytes) for p in part.pieces])
-                    for part in loads]
-            try:
-                native_fill.run(plan, area.data_ptr(), w, nwin, self.src.native_threads, self.src.tile_bytes, self.report,
-                                ctx=ctx, stream=stream.cuda_stream)
-            except native_fill.NativeFillError as e:
-                part = loads[e.load] if 0 <= e.load < len(loads) else None
-                where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill"
-                name = _err_name(self.cu, self.cu.CUresult(e.code)) if e.code > 0 else str(e)
-                raise CheckpointError(f"{where} to the device failed: {name}") from e
-            finally:
-                self._release_window_area(owner)
+        ctx = _context(self.cu, self.arena, self.index)
+        plan = [(self.maps[part.file].addr + part.start, part.end - part.start,
+                 [(p.offset - part.start, self.ptrs[p.name] + p.dst_offset, p.nbytes) for p in part.pieces])
+                for part in loads]
+        early, self._early = self._early, None
+        windows = None
+        try:
+            windows = early.take() if early is not None else _make_windows(w * nwin, ctx)
+            with self._on_device():
+                stream = torch.cuda.Stream(device=self.device)
+                native_fill.run(plan, windows.base, w, nwin, self.src.native_threads, self.src.tile_bytes,
+                                self.report, ctx=ctx, stream=stream.cuda_stream)
+        except native_fill.NativeFillError as e:
+            part = loads[e.load] if 0 <= e.load < len(loads) else None
+            where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill's windows"
+            name = _err_name(self.cu, self.cu.CUresult(e.code)) if e.code > 0 else str(e)
+            raise CheckpointError(f"{where} to the device failed: {name}") from e
+        finally:
+            if windows is not None:
+                unmap_later([windows])  # unlocking and unmapping: not on the fill's path
 
     def _window_area(self, nbytes: int):
         """(what owns the windows' page-locked memory, a uint8 tensor over it)."""
@@ -555,4 +632,4 @@ class CudaFill:
             slot.drain(self.report)
 
 
-__all__ = ["COLD_IO", "MEMORY_IO", "WARM_IO", "CudaFill", "register_supported"]
+__all__ = ["COLD_IO", "MEMORY_IO", "WARM_IO", "CudaFill", "prepare_windows", "register_supported"]

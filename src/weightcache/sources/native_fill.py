@@ -26,6 +26,9 @@ CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
 CACHE_ENV = "WEIGHTCACHE_NATIVE_DIR"
 USE_DRIVER = True  # False: the "device copies" are host memcpys (tests with a stand-in driver)
 POLL_SECONDS = 0.01
+SKIP_HOST_COPY, SKIP_DEVICE_COPY = 2, 4  # run()'s flags, to measure each side alone (bench/native_probe.py)
+STATS = ("started", "first_queued", "last_queued", "joined", "synced", "waited", "copying", "queueing")
+last_stats: dict[str, float] = {}  # seconds, of the last run in this process (bench/fill_trace.py)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 
@@ -74,13 +77,44 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.wc_fill_run.restype = ctypes.c_int
     lib.wc_fill_run.argtypes = [_u64p, _u64p, _i64p, _i64p, ctypes.c_int64, _u64p, _u64p, _u64p, ctypes.c_void_p,
                                 ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _i64p]
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _i64p, ctypes.c_int,
+                                _u64p]
+    lib.wc_windows_make.restype = ctypes.c_int
+    lib.wc_windows_make.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, _u64p, _u64p]
+    lib.wc_windows_free.restype = None
+    lib.wc_windows_free.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
     return lib, ""
+
+
+class Windows:
+    """``nbytes`` for the windows: anonymous memory in transparent huge pages, faulted in by
+    ``threads`` threads (0: by the kernel, MADV_POPULATE_WRITE) and, with ``lock``, page-locked in context
+    ``ctx``. Raises NativeFillError."""
+
+    def __init__(self, nbytes: int, lock: bool, ctx: int = 0, threads: int = 0):
+        lib, why = library()
+        if lib is None:
+            raise RuntimeError(f"native fill loop unavailable: {why}")
+        if not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"windows of {nbytes!r} bytes")
+        self._lib, self.nbytes, self.ctx, self.locked = lib, nbytes, ctx, lock
+        out = (ctypes.c_uint64 * 3)()
+        ns = (ctypes.c_uint64 * 3)()
+        rc = lib.wc_windows_make(nbytes, threads, int(lock), ctx, out, ns)
+        if rc != 0:
+            raise NativeFillError(rc, -1)
+        self._map, self._len, self.base = out[0], out[1], out[2]
+        self.seconds = {"map": ns[0] / 1e9, "fault": ns[1] / 1e9, "lock": ns[2] / 1e9}
+
+    def close(self) -> None:
+        if self._map:
+            self._lib.wc_windows_free(self._map, self._len, self.base, int(self.locked), self.ctx)
+            self._map = 0
 
 
 def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, window_bytes: int, nwin: int,
         threads: int, tile: int, report: Callable[[int], None], ctx: int = 0, stream: int = 0,
-        cuda: bool | None = None) -> None:
+        cuda: bool | None = None, flags: int = 0) -> None:
     """``loads``: (source address, bytes, [(offset in the load, destination address, bytes), ...]), each at
     most ``window_bytes``; ``windows``: the address of ``nwin`` page-locked windows. ``report`` gets the bytes
     delivered as windows come free. Raises NativeFillError."""
@@ -107,10 +141,11 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
     err_load = ctypes.c_int64(-1)
     result: list[int] = []
     use_driver = USE_DRIVER if cuda is None else cuda
+    stats = (ctypes.c_uint64 * len(STATS))()
 
     def call() -> None:  # ctypes lets go of the GIL for the call
         result.append(lib.wc_fill_run(*args, windows, window_bytes, nwin, threads, tile, int(use_driver), ctx,
-                                      stream, ctypes.byref(done), ctypes.byref(err_load)))
+                                      stream, ctypes.byref(done), ctypes.byref(err_load), flags, stats))
 
     worker = threading.Thread(target=call, name="wc-fill-native", daemon=True)
     worker.start()
@@ -124,6 +159,8 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
                 sent = now
     finally:
         worker.join()  # the windows stay until the loop has stopped using them, whatever happens here
+    last_stats.clear()
+    last_stats.update({k: v / 1e9 for k, v in zip(STATS, stats, strict=True)})
     rc = result[0] if result else -2
     if rc != 0:
         raise NativeFillError(rc, err_load.value)
@@ -131,4 +168,4 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
         report(done.value - sent)
 
 
-__all__ = ["NativeFillError", "library", "run"]
+__all__ = ["NativeFillError", "Windows", "library", "run"]

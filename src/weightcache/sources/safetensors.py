@@ -334,6 +334,7 @@ class SafetensorsSource:
         self._handles_lock = threading.Lock()
         self._sendfile_ok = hasattr(os, "sendfile")
         self.last_modes: dict[str, str] = {}  # file name -> how the last fill read it (diagnostics, benchmarks)
+        self._prepared = None  # the next CUDA fill's windows, being made (prepare_fill)
 
     # -- Source protocol --------------------------------------------------------------------------
 
@@ -359,7 +360,33 @@ class SafetensorsSource:
     def nbytes(self) -> int:
         return sum(t.out_nbytes for t in self.tensors.values())
 
+    def prepare_fill(self) -> None:
+        """Before the destinations exist: start making the page-locked windows that the next CUDA fill stages
+        through, on a thread of their own, so that it overlaps the arena's allocation (Daemon.load calls
+        this). That fill takes them; ``release_prepared`` frees them where no fill follows."""
+        if self._prepared is None and self.device.type == "cuda" and self.io in ("auto", "staged"):
+            from .cuda_fill import prepare_windows
+
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._prepared = prepare_windows(self, index)
+
+    def take_prepared(self):
+        """What prepare_fill started (or None), now the caller's."""
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
+    def release_prepared(self) -> None:
+        prepared = self.take_prepared()
+        if prepared is not None:
+            prepared.release()
+
     def fill(self, views: Mapping[str, torch.Tensor], progress: Callable[[int], None] | None = None) -> None:
+        try:
+            self._fill(views, progress)
+        finally:
+            self.release_prepared()  # where this fill did not take them
+
+    def _fill(self, views: Mapping[str, torch.Tensor], progress: Callable[[int], None] | None) -> None:
         self._check_views(views)
         cuda = any(views[n].device.type == "cuda" for n in self.tensors)
         if self.io == "instanttensor" and not cuda:

@@ -5,7 +5,8 @@
  * the CPU cache), and the worker that copies a load's last tile queues its device copies and records the
  * window's event. A window is reused once the event of the load before it is done. No barrier per window,
  * no lock held while copying. With `cuda` 0 the "device copies" are host memcpys (tests without a GPU).
- * The CUDA driver is opened with dlopen: nothing to link at build time.
+ * The CUDA driver is opened with dlopen: nothing to link at build time. wc_windows_make makes the windows
+ * (transparent huge pages, faulted in by several threads, page-locked).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -15,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
 
 typedef int (*ctx_set_fn)(void *);
 typedef int (*event_create_fn)(void **, unsigned);
@@ -23,6 +26,8 @@ typedef int (*event_sync_fn)(void *);
 typedef int (*event_destroy_fn)(void *);
 typedef int (*memcpy_fn)(uint64_t, const void *, size_t, void *);
 typedef int (*stream_sync_fn)(void *);
+typedef int (*host_register_fn)(void *, size_t, unsigned);
+typedef int (*host_unregister_fn)(void *);
 
 static struct {
     int ready;
@@ -33,6 +38,8 @@ static struct {
     event_destroy_fn event_destroy;
     memcpy_fn htod;
     stream_sync_fn stream_sync;
+    host_register_fn host_register;
+    host_unregister_fn host_unregister;
 } cu;
 
 static pthread_mutex_t cu_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -50,8 +57,10 @@ int wc_fill_open_driver(void) {
             cu.event_destroy = (event_destroy_fn)dlsym(h, "cuEventDestroy_v2");
             cu.htod = (memcpy_fn)dlsym(h, "cuMemcpyHtoDAsync_v2");
             cu.stream_sync = (stream_sync_fn)dlsym(h, "cuStreamSynchronize");
+            cu.host_register = (host_register_fn)dlsym(h, "cuMemHostRegister_v2");
+            cu.host_unregister = (host_unregister_fn)dlsym(h, "cuMemHostUnregister");
             if (cu.ctx_set && cu.event_create && cu.event_record && cu.event_sync && cu.event_destroy &&
-                cu.htod && cu.stream_sync)
+                cu.htod && cu.stream_sync && cu.host_register && cu.host_unregister)
                 cu.ready = 1;
         }
     }
@@ -91,7 +100,35 @@ typedef struct {
     atomic_int err;
     atomic_llong err_load;
     atomic_ullong *done_bytes;
+    int flags;
+    uint64_t *stats; /* NULL, or WC_NSTATS counters (ns) */
+    uint64_t t0;
 } fill_t;
+
+enum { WC_SKIP_HOST_COPY = 2, WC_SKIP_DEVICE_COPY = 4 }; /* flags, to measure each side alone */
+/* stats: ns from the start to the threads running, the first and last window queued, the threads joined, the
+ * stream synchronized; summed over the workers: ns waiting for a window, copying tiles, queueing copies */
+enum { WC_STARTED, WC_FIRST_QUEUED, WC_LAST_QUEUED, WC_JOINED, WC_SYNCED, WC_WAITED, WC_COPYING, WC_QUEUEING,
+       WC_NSTATS };
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void stat_add(fill_t *f, int k, uint64_t ns) {
+    if (f->stats) __atomic_fetch_add(&f->stats[k], ns, __ATOMIC_RELAXED);
+}
+
+static void stat_mark(fill_t *f, int k, int first) {
+    if (!f->stats) return;
+    uint64_t t = now_ns() - f->t0, zero = 0;
+    if (first)
+        __atomic_compare_exchange_n(&f->stats[k], &zero, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    else
+        __atomic_store_n(&f->stats[k], t, __ATOMIC_RELAXED);
+}
 
 static uint64_t load_bytes(fill_t *f, int64_t L) {
     uint64_t n = 0;
@@ -133,7 +170,8 @@ static int reclaim(fill_t *f, int64_t P) {
 static void issue(fill_t *f, int64_t L) {
     int slot = (int)(L % f->nwin);
     uint8_t *win = f->windows + (uint64_t)slot * f->window_bytes;
-    for (int64_t i = 0; i < f->load_npieces[L]; i++) {
+    uint64_t t = f->stats ? now_ns() : 0;
+    for (int64_t i = 0; i < f->load_npieces[L] && !(f->flags & WC_SKIP_DEVICE_COPY); i++) {
         int64_t p = f->load_piece0[L] + i;
         if (f->cuda) {
             int rc = cu.htod(f->piece_dst[p], win + f->piece_off[p], f->piece_len[p], f->stream);
@@ -153,6 +191,11 @@ static void issue(fill_t *f, int64_t L) {
         }
     }
     atomic_store_explicit(&f->queued[L], 1, memory_order_release);
+    if (f->stats) {
+        stat_add(f, WC_QUEUEING, now_ns() - t);
+        stat_mark(f, WC_FIRST_QUEUED, 1);
+        stat_mark(f, WC_LAST_QUEUED, 0);
+    }
 }
 
 static void *worker(void *arg) {
@@ -169,11 +212,17 @@ static void *worker(void *arg) {
         int64_t t = atomic_fetch_add(&f->next_tile, 1);
         if (t >= f->ntiles) break;
         int64_t L = f->tile_load[t];
+        uint64_t t0 = f->stats ? now_ns() : 0;
         if (L >= f->nwin && !reclaim(f, L - f->nwin)) break;
+        uint64_t t1 = f->stats ? now_ns() : 0;
         uint64_t off = f->tile_off[t];
         uint64_t n = f->load_len[L] - off < f->tile ? f->load_len[L] - off : f->tile;
         uint8_t *win = f->windows + (uint64_t)(L % f->nwin) * f->window_bytes;
-        memcpy(win + off, (const void *)(uintptr_t)(f->load_src[L] + off), n);
+        if (!(f->flags & WC_SKIP_HOST_COPY)) memcpy(win + off, (const void *)(uintptr_t)(f->load_src[L] + off), n);
+        if (f->stats) {
+            stat_add(f, WC_WAITED, t1 - t0);
+            stat_add(f, WC_COPYING, now_ns() - t1);
+        }
         if (atomic_fetch_sub(&f->left[L], 1) == 1) issue(f, L);
     }
     return NULL;
@@ -183,9 +232,12 @@ static void *worker(void *arg) {
 int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_t *load_piece0,
                 const int64_t *load_npieces, int64_t nloads, const uint64_t *piece_off, const uint64_t *piece_dst,
                 const uint64_t *piece_len, uint8_t *windows, uint64_t window_bytes, int nwin, int threads,
-                uint64_t tile, int cuda, void *ctx, void *stream, atomic_ullong *done_bytes, int64_t *err_load) {
+                uint64_t tile, int cuda, void *ctx, void *stream, atomic_ullong *done_bytes, int64_t *err_load,
+                int flags, uint64_t *stats) {
     fill_t f;
     memset(&f, 0, sizeof f);
+    f.flags = flags, f.stats = stats, f.t0 = now_ns();
+    if (stats) memset(stats, 0, sizeof(uint64_t) * WC_NSTATS);
     f.load_src = load_src, f.load_len = load_len, f.load_piece0 = load_piece0, f.load_npieces = load_npieces;
     f.piece_off = piece_off, f.piece_dst = piece_dst, f.piece_len = piece_len, f.nloads = nloads;
     f.windows = windows, f.window_bytes = window_bytes, f.nwin = nwin, f.tile = tile, f.cuda = cuda;
@@ -228,11 +280,14 @@ int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_
             fail(&f, -2, -1);
             break;
         }
+    stat_mark(&f, WC_STARTED, 0);
     for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    stat_mark(&f, WC_JOINED, 0);
     if (cuda) {
         int s = cu.stream_sync(stream);  /* every copy queued is done before the windows go */
         if (s && !atomic_load(&f.err)) fail(&f, s, -1);
     }
+    stat_mark(&f, WC_SYNCED, 0);
     if (!atomic_load(&f.err)) {
         for (int64_t L = 0; L < nloads; L++)
             if (!atomic_load(&f.reclaimed[L])) atomic_fetch_add(done_bytes, load_bytes(&f, L));
@@ -248,4 +303,77 @@ out:
     free(f.tile_load), free(f.tile_off), free(f.left), free(f.queued), free(f.reclaimed), free(f.slot_lock);
     free(f.events), free(pool);
     return rc;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+typedef struct {
+    volatile uint8_t *base;
+    uint64_t lo, hi;
+} touch_t;
+
+static void *toucher(void *arg) {
+    touch_t *t = arg;
+    for (uint64_t i = t->lo; i < t->hi; i += 4096) t->base[i] = 0;
+    return NULL;
+}
+
+/* every page of [base, base + n) faulted in: by `threads` threads, or (0) by MADV_POPULATE_WRITE */
+static void populate(uint8_t *base, uint64_t n, int threads) {
+    if (threads <= 0) {
+        if (madvise(base, n, MADV_POPULATE_WRITE) == 0) return;
+        threads = 1; /* a kernel before 5.14 */
+    }
+    const uint64_t huge = 2ull << 20;
+    uint64_t per = (n / huge + (uint64_t)threads - 1) / (uint64_t)threads * huge;
+    touch_t parts[64];
+    pthread_t pool[64];
+    int started = 0;
+    if (threads > 64) threads = 64;
+    for (int i = 0; i < threads; i++) {
+        uint64_t lo = (uint64_t)i * per, hi = lo + per < n ? lo + per : n;
+        if (lo >= n) break;
+        parts[i] = (touch_t){base, lo, hi};
+        if (i == threads - 1 || pthread_create(&pool[started], NULL, toucher, &parts[i])) {
+            toucher(&parts[i]);
+        } else {
+            started++;
+        }
+    }
+    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+}
+
+/* The windows' memory: `nbytes` of anonymous memory aligned to 2 MiB, in transparent huge pages where the
+ * kernel has them, faulted in by `threads` threads (0: MADV_POPULATE_WRITE) and, with `lock`, page-locked
+ * (portable) in context `ctx`. out: the mapping's address and length, the windows' address; ns (or NULL):
+ * the ns mapping, faulting and page-locking took. 0, -1 (no memory), -3 (no driver) or the CUDA error. */
+int wc_windows_make(uint64_t nbytes, int threads, int lock, void *ctx, uint64_t *out, uint64_t *ns) {
+    const uint64_t huge = 2ull << 20;
+    uint64_t t = now_ns(), len = nbytes + huge;
+    void *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) return -1;
+    uint8_t *base = (uint8_t *)(((uintptr_t)map + huge - 1) & ~(uintptr_t)(huge - 1));
+    madvise(base, nbytes, MADV_HUGEPAGE); /* where transparent huge pages are "madvise" */
+    out[0] = (uint64_t)(uintptr_t)map, out[1] = len, out[2] = (uint64_t)(uintptr_t)base;
+    uint64_t t1 = now_ns();
+    populate(base, nbytes, threads);
+    uint64_t t2 = now_ns();
+    if (lock) {
+        int rc = wc_fill_open_driver() ? -3 : cu.ctx_set(ctx);
+        if (!rc) rc = cu.host_register(base, nbytes, 1 /* CU_MEMHOSTREGISTER_PORTABLE */);
+        if (rc) {
+            munmap(map, len);
+            return rc;
+        }
+    }
+    if (ns) ns[0] = t1 - t, ns[1] = t2 - t1, ns[2] = now_ns() - t2;
+    return 0;
+}
+
+/* The windows unlocked (if `locked`) and unmapped. */
+void wc_windows_free(uint64_t map, uint64_t len, uint64_t base, int locked, void *ctx) {
+    if (locked && wc_fill_open_driver() == 0 && cu.ctx_set(ctx) == 0) cu.host_unregister((void *)(uintptr_t)base);
+    munmap((void *)(uintptr_t)map, len);
 }
