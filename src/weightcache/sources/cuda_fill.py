@@ -223,7 +223,6 @@ class CudaFill:
         self.device = device or next(v.device for v in views.values() if v.device.type == "cuda")
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.cu, self.arena = _driver()
-        self.flat = {n: v.reshape(-1).view(torch.uint8) if v.is_contiguous() else v for n, v in views.items()}
         self.ptrs = {n: v.data_ptr() for n, v in views.items()}
         self.modes: dict[Path, str] = {}
         self._modes_lock = threading.Lock()
@@ -279,17 +278,23 @@ class CudaFill:
     def _pipelined(self, file: Path) -> bool:
         return self.src.stage_read in ("pipeline", "native") and self.modes.get(file) == "staged" and file in self.maps
 
-    def _stage_bytes(self) -> int:
-        """Staging buffer size: the largest read (page-aligned for O_DIRECT), at most chunk_bytes. Pinned
-        buffers start on a page boundary (torch's pinned allocator, huge pages)."""
+    @functools.cached_property
+    def flat(self) -> dict[str, torch.Tensor]:
+        """The views as bytes (the workers' copies; the window loops copy by address)."""
+        return {n: v.reshape(-1).view(torch.uint8) if v.is_contiguous() else v for n, v in self.views.items()}
+
+    @staticmethod
+    def _stage_bytes(items: list, chunk_bytes: int) -> int:
+        """The workers' staging buffer size: their largest read (page-aligned for O_DIRECT), at most
+        chunk_bytes. Pinned buffers start on a page boundary (torch's pinned allocator, huge pages)."""
         n = DIRECT_ALIGN
-        for i in self.items:
+        for i in items:
             if isinstance(i, Segment):
                 a, b = i.page_range(DIRECT_ALIGN)
                 n = max(n, b - a)
             else:
                 n = max(n, -(-i.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
-        return min(n, self.src.chunk_bytes)
+        return min(n, chunk_bytes)
 
     def run(self) -> None:
         fds = {}
@@ -305,13 +310,15 @@ class CudaFill:
                 early = prepare_windows(self.src, self.index)
             self._early = early
             self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
-            self.stage_bytes = self._stage_bytes()
-            fds = self.src.open_files({i.file for i in self.items})
+            piped_files = {f for f in self.maps if self._pipelined(f)}
+            piped, rest = [], []
+            for i in self.items:
+                (piped if isinstance(i, Segment) and i.file in piped_files else rest).append(i)
+            self.stage_bytes = self._stage_bytes(rest, self.src.chunk_bytes)
+            fds = self.src.open_files({i.file for i in rest})
             self.fds = fds
-            piped = [i for i in self.items if isinstance(i, Segment) and self._pipelined(i.file)]
             if piped:
                 self._pipeline(piped)
-            rest = [i for i in self.items if not (isinstance(i, Segment) and self._pipelined(i.file))]
             run_workers(self.src.threads, rest, self._worker)
         finally:
             self.src.last_modes = {f.name: m for f, m in self.modes.items()}

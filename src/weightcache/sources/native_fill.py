@@ -7,6 +7,7 @@ copies a window's last tile queues its device copies.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -75,7 +76,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{type(e).__name__}: {e}"
     lib.wc_fill_run.restype = ctypes.c_int
-    lib.wc_fill_run.argtypes = [_u64p, _u64p, _i64p, _i64p, ctypes.c_int64, _u64p, _u64p, _u64p, ctypes.c_void_p,
+    vp = ctypes.c_void_p  # the plan's arrays: array.array buffers
+    lib.wc_fill_run.argtypes = [vp, vp, vp, vp, ctypes.c_int64, vp, vp, vp, ctypes.c_void_p,
                                 ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _i64p, ctypes.c_int,
                                 _u64p]
@@ -126,17 +128,17 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
             raise ValueError(f"{what} must be a positive int, got {v!r}")
     if any(n > window_bytes for _, n, _ in loads):
         raise ValueError("a load is larger than a window")
-    n = len(loads)
-    pieces = [pc for _, _, ps in loads for pc in ps]
-    first, k = [], 0
-    for _, _, ps in loads:
-        first.append(k)
+    cols = [array.array(c) for c in "QQqqQQQ"]  # the plan, column by column, as the loop reads it
+    src, lens, first, counts, offs, dsts, sizes = cols
+    k = 0
+    for a, m, ps in loads:
+        src.append(a), lens.append(m), first.append(k), counts.append(len(ps))
         k += len(ps)
-    arr = lambda t, xs: (t * max(len(xs), 1))(*xs)  # noqa: E731
-    args = (arr(ctypes.c_uint64, [a for a, _, _ in loads]), arr(ctypes.c_uint64, [m for _, m, _ in loads]),
-            arr(ctypes.c_int64, first), arr(ctypes.c_int64, [len(ps) for _, _, ps in loads]), n,
-            arr(ctypes.c_uint64, [o for o, _, _ in pieces]), arr(ctypes.c_uint64, [d for _, d, _ in pieces]),
-            arr(ctypes.c_uint64, [m for _, _, m in pieces]))
+        for o, d, b in ps:
+            offs.append(o), dsts.append(d), sizes.append(b)
+    cols = [c if c else array.array(c.typecode, [0]) for c in cols]  # no empty buffers; alive until run returns
+    addr = [c.buffer_info()[0] for c in cols]
+    args = (*addr[:4], len(loads), *addr[4:])
     done = ctypes.c_uint64(0)
     err_load = ctypes.c_int64(-1)
     result: list[int] = []

@@ -14,12 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
+from typing import NamedTuple
 
 PAGE = 4096
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # a tuple: ~1600 are made per 16 GB plan, a frozen dataclass was 4x slower to make
     file: Path
     offset: int  # absolute byte offset in the file
     nbytes: int
@@ -43,10 +43,6 @@ class Segment:
         return self.start // page * page, -(-self.end // page) * page
 
 
-def round_down(n: int, a: int) -> int:
-    return n // a * a
-
-
 def plan_segments(pieces: Iterable[Piece], segment_bytes: int, page: int = PAGE) -> list[Segment]:
     """Segments of at most ``segment_bytes`` (page-rounded), file by file in offset order."""
     if segment_bytes < page or segment_bytes % page:
@@ -58,19 +54,21 @@ def plan_segments(pieces: Iterable[Piece], segment_bytes: int, page: int = PAGE)
     out: list[Segment] = []
     for file in sorted(by_file, key=str):
         seg: Segment | None = None
+        cut = -1  # the open segment's cut (its start // segment_bytes)
         for p in sorted(by_file[file], key=lambda q: q.offset):
-            off, dst, left = p.offset, p.dst_offset, p.nbytes
+            off, dst, left, name = p.offset, p.dst_offset, p.nbytes, p.name
             while left:
-                boundary = round_down(off, segment_bytes) + segment_bytes
-                n = min(left, boundary - off)
+                here = off // segment_bytes
+                n = min(left, (here + 1) * segment_bytes - off)
                 # join the open segment if this piece starts at or before the page after its last one, in the
                 # same cut; otherwise the two page-rounded ranges stay disjoint
-                if seg is None or round_down(off, page) > -(-seg.end // page) * page or \
-                        round_down(off, segment_bytes) != round_down(seg.start, segment_bytes):
+                if seg is None or here != cut or off // page * page > -(-seg.end // page) * page:
                     seg = Segment(file, off, off + n)
+                    cut = here
                     out.append(seg)
-                seg.end = max(seg.end, off + n)
-                seg.pieces.append(Piece(file, off, n, p.name, dst))
+                elif off + n > seg.end:
+                    seg.end = off + n
+                seg.pieces.append(Piece(file, off, n, name, dst))
                 off, dst, left = off + n, dst + n, left - n
     return out
 

@@ -60,6 +60,8 @@ def _preadv_full(fd: int, bufs: list[memoryview], offset: int, file: Path, what:
 def run_workers(threads: int, items: list, work: Callable[[Callable[[], object]], None]) -> None:
     """Run ``work(next_item)`` in up to ``threads`` threads over a shared queue; the first error stops the
     others (they finish their current item) and is raised here."""
+    if not items:
+        return
     errors: list[BaseException] = []
     stop = threading.Event()
     queue = iter(items)

@@ -123,7 +123,7 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from err
         dtype = _torch_dtype(code, path, name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         expect = math.prod(shape) * itemsize
         if e - b != expect or b < 0:
             raise CheckpointError(
@@ -197,7 +197,7 @@ class _Tensor:
 
     @property
     def out_nbytes(self) -> int:
-        return math.prod(self.out_shape) * torch.empty((), dtype=self.out_dtype).element_size()
+        return math.prod(self.out_shape) * self.out_dtype.itemsize
 
     def byte_ranges(self, tp_rank: int, tp_size: int) -> list[tuple[int, int]] | None:
         """Contiguous (file offset, nbytes) pieces of this rank's shard, or None if it is strided."""
