@@ -616,6 +616,23 @@ def test_prepare_fill_makes_nothing_for_cpu_sources_or_other_readers(ckpt, fake_
     assert s.take_prepared() is None and made == []
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+def test_windows_that_cannot_be_made_are_one_clear_error(ckpt, fake_cuda, monkeypatch, prepared):
+    def refuse(*a, **k):
+        raise cuda_fill.native_fill.NativeFillError(-1, -1)
+
+    monkeypatch.setattr(cuda_fill.native_fill, "Windows", refuse)
+    src = _native_source(ckpt)
+    if prepared:
+        src.prepare_fill()
+    views = views_for(src)
+    pieces, slices = src.plan_reads(views)
+    with pytest.raises(CheckpointError, match=r"cannot make the fill's 16 KiB of page-locked staging windows: "
+                                              r"out of memory"):
+        cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    assert src.take_prepared() is None
+
+
 def test_native_threads_leave_cores_unless_given(tmp_path, monkeypatch):
     from weightcache.checkpoints import make_llama_checkpoint
     from weightcache.sources.safetensors import SafetensorsSource

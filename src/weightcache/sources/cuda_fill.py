@@ -416,19 +416,28 @@ class CudaFill:
         early, self._early = self._early, None
         windows = None
         try:
-            windows = early.take() if early is not None else _make_windows(w * nwin, ctx)
+            try:
+                windows = early.take() if early is not None else _make_windows(w * nwin, ctx)
+            except native_fill.NativeFillError as e:
+                size = f"{w * nwin >> 20} MiB" if w * nwin >= 1 << 20 else f"{w * nwin >> 10} KiB"
+                raise CheckpointError(f"cannot make the fill's {size} of page-locked staging windows: "
+                                      f"{self._native_error(e)}") from e
             with self._on_device():
                 stream = torch.cuda.Stream(device=self.device)
                 native_fill.run(plan, windows.base, w, nwin, self.src.native_threads, self.src.tile_bytes,
                                 self.report, ctx=ctx, stream=stream.cuda_stream)
         except native_fill.NativeFillError as e:
             part = loads[e.load] if 0 <= e.load < len(loads) else None
-            where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill's windows"
-            name = _err_name(self.cu, self.cu.CUresult(e.code)) if e.code > 0 else str(e)
-            raise CheckpointError(f"{where} to the device failed: {name}") from e
+            where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill"
+            raise CheckpointError(f"{where} to the device failed: {self._native_error(e)}") from e
         finally:
             if windows is not None:
                 unmap_later([windows])  # unlocking and unmapping: not on the fill's path
+
+    def _native_error(self, e: native_fill.NativeFillError) -> str:
+        if e.code > 0:
+            return _err_name(self.cu, self.cu.CUresult(e.code))
+        return {-1: "out of memory", -2: "cannot start threads", -3: "no CUDA driver"}.get(e.code, str(e))
 
     def _window_area(self, nbytes: int):
         """(what owns the windows' page-locked memory, a uint8 tensor over it)."""
