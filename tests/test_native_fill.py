@@ -126,6 +126,21 @@ def test_windows_are_aligned_writable_and_freed_once(threads):
     w.close()  # a second close is a no-op
 
 
+@pytest.mark.parametrize("nbytes", [16 << 10, (6 << 20) + (12 << 10)])
+@pytest.mark.parametrize("threads", [0, 1, 3, 100])
+def test_windows_are_faulted_in_before_use(nbytes, threads):
+    from weightcache.sources.filemap import PAGE, _libc
+
+    w = native_fill.Windows(nbytes, lock=False, threads=threads)
+    try:
+        pages = -(-nbytes // PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        assert _libc.mincore(ctypes.c_void_p(w.base), nbytes, vec) == 0
+        assert all(v & 1 for v in vec)  # every page resident: the fill does not fault them in
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
 def test_windows_refuse_a_bad_size(bad):
     with pytest.raises(ValueError, match="windows of"):

@@ -29,7 +29,7 @@ USE_DRIVER = True  # False: the "device copies" are host memcpys (tests with a s
 POLL_SECONDS = 0.01
 SKIP_HOST_COPY, SKIP_DEVICE_COPY = 2, 4  # run()'s flags, to measure each side alone (bench/native_probe.py)
 STATS = ("started", "first_queued", "last_queued", "joined", "synced", "waited", "copying", "queueing")
-last_stats: dict[str, float] = {}  # seconds, of the last run in this process (bench/fill_trace.py)
+last_stats: dict[str, float] = {}  # seconds, of the last run in this process (bench/native_probe.py)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 

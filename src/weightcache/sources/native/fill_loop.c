@@ -327,11 +327,11 @@ static void populate(uint8_t *base, uint64_t n, int threads) {
         threads = 1; /* a kernel before 5.14 */
     }
     const uint64_t huge = 2ull << 20;
-    uint64_t per = (n / huge + (uint64_t)threads - 1) / (uint64_t)threads * huge;
+    if (threads > 64) threads = 64;
+    uint64_t per = ((n + huge - 1) / huge + (uint64_t)threads - 1) / (uint64_t)threads * huge;
     touch_t parts[64];
     pthread_t pool[64];
     int started = 0;
-    if (threads > 64) threads = 64;
     for (int i = 0; i < threads; i++) {
         uint64_t lo = (uint64_t)i * per, hi = lo + per < n ? lo + per : n;
         if (lo >= n) break;
