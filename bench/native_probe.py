@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", default=[], help="variant names (default: all)")
     ap.add_argument("--out", help="the JSON's path (default: bench/results/native-probe-<device>.json)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("native_probe.py needs a CUDA device (the CPU path has no native loop: bench/load.py --device cpu)")
+        return 2
     path = load.make_checkpoint(args.dir, args.size_gb, args.shard_gb, False)
     files = load.weight_files(path)
     load.warm_page_cache(files)
