@@ -231,6 +231,7 @@ class CudaFill:
         self._huge_failed = False
         self._torch_copies = False  # the driver's copy failed once: torch's from then on
         self._early: _EarlyWindows | None = None
+        self._use_native = False  # the window loop is the native one (run decides)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -300,17 +301,17 @@ class CudaFill:
         fds = {}
         try:
             self._choose_modes()
+            piped_files = {f for f in self.maps if self._pipelined(f)}
+            self._use_native = bool(piped_files) and self._native_usable()
             early = self.src.take_prepared()
-            native = any(self._pipelined(f) for f in self.maps) and self._native_usable()
-            if early is not None and (not native or early.shape != (self.src.window_bytes, self.src.windows,
-                                                                     self.index)):
+            if early is not None and (not self._use_native or
+                                      early.shape != (self.src.window_bytes, self.src.windows, self.index)):
                 early.release()  # no native loop, or windows prepared for another one
                 early = None
-            if native and early is None and NATIVE_EARLY:
+            if self._use_native and early is None and NATIVE_EARLY:
                 early = prepare_windows(self.src, self.index)
             self._early = early
             self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
-            piped_files = {f for f in self.maps if self._pipelined(f)}
             piped, rest = [], []
             for i in self.items:
                 (piped if isinstance(i, Segment) and i.file in piped_files else rest).append(i)
@@ -377,7 +378,7 @@ class CudaFill:
         next free window, then queued to the device on one stream (``stage_read="native"``: by the native
         loop's workers, where it can be built)."""
         loads = self._window_loads(segments)
-        if self._early is not None or self._native_usable():
+        if self._use_native:
             return self._native(loads)
         with self._on_device():
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
