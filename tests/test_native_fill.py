@@ -15,29 +15,27 @@ lib, why = native_fill.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"native fill loop unavailable: {why}")
 
 
-def plan(src: torch.Tensor, dst: torch.Tensor, window: int, seed: int, gaps: bool):
-    """Loads of at most ``window`` bytes over ``src``, cut into random pieces landing in ``dst`` shuffled."""
+def plan(src: torch.Tensor, dst: torch.Tensor, seed: int, gaps: bool):
+    """Random pieces over ``src`` in order (some larger than a window; with ``gaps``, runs of bytes between
+    them that are read or skipped, not kept), landing in ``dst`` in a shuffled order."""
     rng = random.Random(seed)
-    loads, off, out = [], 0, 0
-    spans = []
+    spans, off = [], 0
     while off < src.numel():
-        n = min(rng.randint(1, window), src.numel() - off)
-        pieces, o = [], 0
-        while o < n:
-            m = min(rng.randint(1, max(1, n // 3)), n - o)
-            if not (gaps and rng.random() < 0.2):  # a gap: read, not kept
-                pieces.append((o, off + o, m))
-            o += m
-        spans.append((off, n, pieces))
+        n = min(rng.choice([1, 7, 100, 4096, 5000, 40_000, 200_000]), src.numel() - off)
+        if not (gaps and rng.random() < 0.2):
+            spans.append((off, n))
         off += n
-    for a, n, pieces in spans:
-        placed = []
-        for o, _src, m in pieces:
-            placed.append((o, dst.data_ptr() + out, m))
-            out += m
-        loads.append((src.data_ptr() + a, n, placed))
-    want = torch.cat([src[s : s + m] for _, _, ps in spans for _, s, m in ps]) if out else src[:0]
-    return loads, want, out
+    placed = list(range(len(spans)))
+    rng.shuffle(placed)
+    at, out = {}, 0
+    for k in placed:
+        at[k] = out
+        out += spans[k][1]
+    pieces = [(src.data_ptr() + a, dst.data_ptr() + at[k], n) for k, (a, n) in enumerate(spans)]
+    want = torch.zeros_like(dst)
+    for k, (a, n) in enumerate(spans):
+        want[at[k] : at[k] + n] = src[a : a + n]
+    return pieces, want, out
 
 
 @pytest.mark.parametrize("threads,nwin,tile,window", [(1, 1, 4096, 1 << 16), (4, 2, 1000, 1 << 15),
@@ -47,18 +45,34 @@ def test_native_loop_delivers_every_piece(threads, nwin, tile, window, gaps):
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     dst = torch.zeros(3 << 20, dtype=torch.uint8)
     windows = torch.empty(nwin * window, dtype=torch.uint8)
-    loads, want, total = plan(src, dst, window, seed=threads * 7 + nwin, gaps=gaps)
+    pieces, want, total = plan(src, dst, seed=threads * 7 + nwin, gaps=gaps)
     got = []
-    native_fill.run(loads, windows.data_ptr(), window, nwin, threads, tile, got.append, cuda=False)
-    assert torch.equal(dst[:total], want)
+    native_fill.run(pieces, windows.data_ptr(), window, nwin, threads, tile, got.append, cuda=False)
+    assert torch.equal(dst, want)
     assert sum(got) == total
+    assert native_fill.last_stats["loads"] >= -(-total // window)
 
 
-def test_native_loop_refuses_a_load_larger_than_a_window():
-    buf = torch.zeros(1 << 16, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="larger than a window"):
-        native_fill.run([(buf.data_ptr(), 1 << 16, [])], buf.data_ptr(), 1 << 12, 1, 1, 1 << 12, lambda n: None,
-                        cuda=False)
+def test_native_loop_packs_pieces_into_windows():
+    w, page = 1 << 16, 4096
+    buf = torch.randint(0, 256, (32 * w,), dtype=torch.uint8)
+    dst = torch.zeros_like(buf)
+    base = buf.data_ptr() + (-buf.data_ptr()) % w  # the loop cuts where the address is a multiple of w
+    d = dst.data_ptr()
+    pieces = [(base + k * 1024, d + k * 1024, 1024) for k in range(32)]  # one window, packed
+    pieces.append((base + 32 * 1024 + 100, d + 40 * 1024, 50))  # starts within the next page: the same one
+    pieces.append((base + 32 * 1024 + 3 * page, d + 41 * 1024, 50))  # past the next page: a new one
+    pieces.append((base + w, d + w, 3 * w))  # three windows
+    pieces.append((base + 5 * w, d + 5 * w, 50))  # a new one
+    pieces.append((base + 5 * w + 50, d + 6 * w, 50, 1))  # adjacent, in another file: a new one
+    windows = torch.empty(2 * w, dtype=torch.uint8)
+    got = []
+    native_fill.run(pieces, windows.data_ptr(), w, 2, 3, page, got.append, cuda=False)
+    assert native_fill.last_stats["loads"] == 1 + 1 + 3 + 1 + 1
+    assert sum(got) == 32 * 1024 + 3 * w + 4 * 50
+    for s, t, n, *_ in pieces:
+        a, b = s - buf.data_ptr(), t - d
+        assert torch.equal(dst[b : b + n], buf[a : a + n]), (a, n)
 
 
 @pytest.mark.parametrize("bad", [dict(nwin=0), dict(threads=0), dict(tile=0), dict(window_bytes=0)])
@@ -75,8 +89,8 @@ def test_native_loop_without_a_driver_says_so():
         pytest.skip("this machine has a CUDA driver")
     buf = torch.zeros(1 << 12, dtype=torch.uint8)
     with pytest.raises(native_fill.NativeFillError) as e:
-        native_fill.run([(buf.data_ptr(), 1 << 12, [(0, buf.data_ptr(), 1 << 12)])], buf.data_ptr(), 1 << 12, 1, 1,
-                        1 << 12, lambda n: None, cuda=True)
+        native_fill.run([(buf.data_ptr(), buf.data_ptr(), 1 << 12)], buf.data_ptr(), 1 << 12, 1, 1, 1 << 12,
+                        lambda n: None, cuda=True)
     assert e.value.code == -3
 
 
@@ -103,13 +117,13 @@ def test_native_loop_finishes_before_a_failing_report_returns():
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     windows = torch.empty(2 << 16, dtype=torch.uint8)
-    loads = [(src.data_ptr() + a, 1 << 16, [(0, dst.data_ptr() + a, 1 << 16)]) for a in range(0, 1 << 20, 1 << 16)]
+    pieces = [(src.data_ptr() + a, dst.data_ptr() + a, 1 << 16) for a in range(0, 1 << 20, 1 << 16)]
 
     def report(n):
         raise RuntimeError("progress sink gone")
 
     with pytest.raises(RuntimeError, match="progress sink gone"):
-        native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 4, 4096, report, cuda=False)
+        native_fill.run(pieces, windows.data_ptr(), 1 << 16, 2, 4, 4096, report, cuda=False)
     assert not any(t.name == "wc-fill-native" and t.is_alive() for t in threading.enumerate())
 
 
@@ -151,11 +165,11 @@ def test_native_loop_reports_its_timeline():
     src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     windows = torch.empty(2 << 16, dtype=torch.uint8)
-    loads, want, total = plan(src, dst, 1 << 16, seed=3, gaps=False)
-    native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 3, 1 << 12, lambda n: None, cuda=False)
-    assert torch.equal(dst[:total], want)
+    pieces, want, total = plan(src, dst, seed=3, gaps=False)
+    native_fill.run(pieces, windows.data_ptr(), 1 << 16, 2, 3, 1 << 12, lambda n: None, cuda=False)
+    assert torch.equal(dst, want)
     st = native_fill.last_stats
-    assert set(st) == set(native_fill.STATS)
+    assert set(st) == set(native_fill.STATS) and st["loads"] >= 4 << 20 >> 16
     assert 0 < st["first_queued"] <= st["last_queued"] <= st["joined"] <= st["synced"]
     assert st["copying"] > 0
 
@@ -165,9 +179,9 @@ def test_native_loop_can_leave_one_side_out(flag):
     src = torch.randint(1, 256, (1 << 20,), dtype=torch.uint8)  # no zero byte
     dst = torch.zeros_like(src)
     windows = torch.zeros(2 << 16, dtype=torch.uint8)
-    loads, _, total = plan(src, dst, 1 << 16, seed=5, gaps=False)
+    pieces, _, total = plan(src, dst, seed=5, gaps=False)
     got = []
-    native_fill.run(loads, windows.data_ptr(), 1 << 16, 2, 2, 1 << 12, got.append, cuda=False,
+    native_fill.run(pieces, windows.data_ptr(), 1 << 16, 2, 2, 1 << 12, got.append, cuda=False,
                     flags=getattr(native_fill, flag))
     assert sum(got) == total  # every window still comes free and is counted
     if flag == "SKIP_DEVICE_COPY":

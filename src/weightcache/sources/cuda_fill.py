@@ -32,7 +32,7 @@ import torch
 
 from . import native_fill
 from .filemap import DIRECT_ALIGN, RESIDENT, FileMap, in_memory_fs, open_direct, unmap_later
-from .read_plan import Segment, plan_segments
+from .read_plan import Piece, Segment, plan_segments
 from .reading import CheckpointError, read_into, run_workers
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,14 @@ _REGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE
 WINDOW_FAULT_THREADS = 8  # fault the native loop's windows in: 3 ms for 96 MiB, the kernel alone 15-18 ms
 NATIVE_EARLY = True  # a fill not prepared (prepare_windows) makes its windows on a thread while it plans
+
+
+def _offset(p: Piece) -> int:
+    return p.offset
+
+
+def _end(p: Piece) -> int:
+    return p.offset + p.nbytes
 
 
 def _driver():
@@ -311,14 +319,22 @@ class CudaFill:
             if self._use_native and early is None and NATIVE_EARLY:
                 early = prepare_windows(self.src, self.index)
             self._early = early
-            self.items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
+            native = []  # the native loop packs its files' pieces into windows itself
+            if self._use_native:
+                native = [p for p in self.pieces if p.file in piped_files]
+                items = self.src.work_items([p for p in self.pieces if p.file not in piped_files], self.slices,
+                                            self._segment_bytes)
+            else:
+                items = self.src.work_items(self.pieces, self.slices, self._segment_bytes)
             piped, rest = [], []
-            for i in self.items:
+            for i in items:
                 (piped if isinstance(i, Segment) and i.file in piped_files else rest).append(i)
             self.stage_bytes = self._stage_bytes(rest, self.src.chunk_bytes)
             fds = self.src.open_files({i.file for i in rest})
             self.fds = fds
-            if piped:
+            if native:
+                self._native(native)
+            elif piped:
                 self._pipeline(piped)
             run_workers(self.src.threads, rest, self._worker)
         finally:
@@ -375,11 +391,9 @@ class CudaFill:
 
     def _pipeline(self, segments: list[Segment]) -> None:
         """In this thread: each segment copied out of its file's mapping by torch's intra-op threads into the
-        next free window, then queued to the device on one stream (``stage_read="native"``: by the native
-        loop's workers, where it can be built)."""
+        next free window, then queued to the device on one stream (stage_read="pipeline", or "native" where
+        the native loop cannot be built)."""
         loads = self._window_loads(segments)
-        if self._use_native:
-            return self._native(loads)
         with self._on_device():
             slots, owner = self._windows(torch.cuda.Stream(device=self.device))
             mapped = {f: torch.frombuffer((ctypes.c_ubyte * self.maps[f].size).from_address(self.maps[f].addr),
@@ -408,12 +422,33 @@ class CudaFill:
             _native_unavailable(why)
         return lib is not None
 
-    def _native(self, loads: list[Segment]) -> None:
+    def _native_plan(self, pieces: list[Piece]) -> tuple[native_fill.Pieces, list[Piece]]:
+        """The native loop's plan (file by file, in offset order) and its pieces in that order."""
+        by_file: dict[Path, list[Piece]] = {}
+        for p in pieces:
+            group = by_file.get(p.file)
+            if group is None:
+                by_file[p.file] = [p]
+            else:
+                group.append(p)
+        plan, ordered, ptrs = native_fill.Pieces(), [], self.ptrs
+        src, dst, nbytes, files = plan.src.append, plan.dst.append, plan.nbytes.append, plan.file.append
+        for k, f in enumerate(sorted(by_file, key=str)):
+            group = sorted(by_file[f], key=_offset)
+            fm = self.maps[f]
+            last = max(group, key=_end)
+            if last.offset + last.nbytes > fm.size:
+                raise CheckpointError(f"{f}: unexpected end of file reading tensor {last.name!r} (truncated checkpoint?)")
+            base = fm.addr
+            for p in group:
+                src(base + p.offset), dst(ptrs[p.name] + p.dst_offset), nbytes(p.nbytes), files(k)
+            ordered += group
+        return plan, ordered
+
+    def _native(self, pieces: list[Piece]) -> None:
         w, nwin = self.src.window_bytes, self.src.windows
         ctx = _context(self.cu, self.arena, self.index)
-        plan = [(self.maps[part.file].addr + part.start, part.end - part.start,
-                 [(p.offset - part.start, self.ptrs[p.name] + p.dst_offset, p.nbytes) for p in part.pieces])
-                for part in loads]
+        plan, ordered = self._native_plan(pieces)
         early, self._early = self._early, None
         windows = None
         try:
@@ -428,8 +463,8 @@ class CudaFill:
                 native_fill.run(plan, windows.base, w, nwin, self.src.native_threads, self.src.tile_bytes,
                                 self.report, ctx=ctx, stream=stream.cuda_stream)
         except native_fill.NativeFillError as e:
-            part = loads[e.load] if 0 <= e.load < len(loads) else None
-            where = f"{part.file}: copy of tensor {part.pieces[0].name!r}" if part else "the fill"
+            piece = ordered[e.piece] if 0 <= e.piece < len(ordered) else None
+            where = f"{piece.file}: copy of tensor {piece.name!r}" if piece else "the fill"
             raise CheckpointError(f"{where} to the device failed: {self._native_error(e)}") from e
         finally:
             if windows is not None:

@@ -1,8 +1,8 @@
 """The staged fill's copy loop in native threads (``native/fill_loop.c``), built with the machine's C compiler
 on first use and cached; None where it cannot be built (the Python pipeline reads instead).
 
-Workers take the next tile of the next window wherever it is (no barrier per window, no GIL), the worker that
-copies a window's last tile queues its device copies.
+The loop packs the pieces into window-sized loads itself. Workers take the next tile of the next window wherever
+it is (no barrier per window, no GIL), the worker that copies a window's last tile queues its device copies.
 """
 
 from __future__ import annotations
@@ -28,18 +28,41 @@ CACHE_ENV = "WEIGHTCACHE_NATIVE_DIR"
 USE_DRIVER = True  # False: the "device copies" are host memcpys (tests with a stand-in driver)
 POLL_SECONDS = 0.01
 SKIP_HOST_COPY, SKIP_DEVICE_COPY = 2, 4  # run()'s flags, to measure each side alone (bench/native_probe.py)
-STATS = ("started", "first_queued", "last_queued", "joined", "synced", "waited", "copying", "queueing")
-last_stats: dict[str, float] = {}  # seconds, of the last run in this process (bench/native_probe.py)
+STATS = ("started", "first_queued", "last_queued", "joined", "synced", "waited", "copying", "queueing", "loads")
+last_stats: dict[str, float] = {}  # seconds (loads: how many), of the last run in this process (bench/native_probe.py)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 
 
 class NativeFillError(RuntimeError):
-    """The loop failed: ``code`` is the CUDA error (or negative: -1 memory, -2 threads, -3 no driver)."""
+    """The loop failed: ``code`` is the CUDA error (or negative: -1 memory, -2 threads, -3 no driver);
+    ``piece`` the first piece of the window it hit (-1: none)."""
 
-    def __init__(self, code: int, load: int):
-        super().__init__(f"native fill failed with {code} at load {load}")
-        self.code, self.load = code, load
+    def __init__(self, code: int, piece: int):
+        super().__init__(f"native fill failed with {code} at piece {piece}")
+        self.code, self.piece = code, piece
+
+
+class Pieces:
+    """The loop's plan, column by column as it reads it: each piece's source address (in its file's mapping),
+    destination address, bytes and file (a number: loads never span two). Pieces of a file go in offset
+    order."""
+
+    __slots__ = ("src", "dst", "nbytes", "file")
+
+    def __init__(self):
+        self.src, self.dst, self.nbytes, self.file = array.array("Q"), array.array("Q"), array.array("Q"), array.array("q")
+
+    @classmethod
+    def of(cls, pieces) -> Pieces:
+        """From (source, destination, bytes[, file]) tuples."""
+        out = cls()
+        for p in pieces:
+            out.src.append(p[0]), out.dst.append(p[1]), out.nbytes.append(p[2]), out.file.append(p[3] if len(p) > 3 else 0)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.src)
 
 
 def _cache_dir() -> Path:
@@ -77,10 +100,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{type(e).__name__}: {e}"
     lib.wc_fill_run.restype = ctypes.c_int
     vp = ctypes.c_void_p  # the plan's arrays: array.array buffers
-    lib.wc_fill_run.argtypes = [vp, vp, vp, vp, ctypes.c_int64, vp, vp, vp, ctypes.c_void_p,
-                                ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _i64p, ctypes.c_int,
-                                _u64p]
+    lib.wc_fill_run.argtypes = [vp, vp, vp, vp, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
+                                ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.POINTER(ctypes.c_uint64), _i64p, ctypes.c_int, _u64p]
     lib.wc_windows_make.restype = ctypes.c_int
     lib.wc_windows_make.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, _u64p, _u64p]
     lib.wc_windows_free.restype = None
@@ -114,40 +136,31 @@ class Windows:
             self._map = 0
 
 
-def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, window_bytes: int, nwin: int,
-        threads: int, tile: int, report: Callable[[int], None], ctx: int = 0, stream: int = 0,
-        cuda: bool | None = None, flags: int = 0) -> None:
-    """``loads``: (source address, bytes, [(offset in the load, destination address, bytes), ...]), each at
-    most ``window_bytes``; ``windows``: the address of ``nwin`` page-locked windows. ``report`` gets the bytes
-    delivered as windows come free. Raises NativeFillError."""
+def run(pieces: Pieces | list[tuple[int, ...]], windows: int, window_bytes: int, nwin: int, threads: int, tile: int,
+        report: Callable[[int], None], ctx: int = 0, stream: int = 0, cuda: bool | None = None, flags: int = 0) -> None:
+    """``pieces``: a Pieces, or (source address, destination address, bytes[, file]) tuples; ``windows``: the
+    address of ``nwin`` page-locked windows of ``window_bytes``. ``report`` gets the bytes delivered as
+    windows come free. Raises NativeFillError."""
     lib, why = library()
     if lib is None:
         raise RuntimeError(f"native fill loop unavailable: {why}")
     for what, v in (("windows", nwin), ("threads", threads), ("tile", tile), ("window_bytes", window_bytes)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{what} must be a positive int, got {v!r}")
-    if any(n > window_bytes for _, n, _ in loads):
-        raise ValueError("a load is larger than a window")
-    cols = [array.array(c) for c in "QQqqQQQ"]  # the plan, column by column, as the loop reads it
-    src, lens, first, counts, offs, dsts, sizes = cols
-    k = 0
-    for a, m, ps in loads:
-        src.append(a), lens.append(m), first.append(k), counts.append(len(ps))
-        k += len(ps)
-        for o, d, b in ps:
-            offs.append(o), dsts.append(d), sizes.append(b)
-    cols = [c if c else array.array(c.typecode, [0]) for c in cols]  # no empty buffers; alive until run returns
-    addr = [c.buffer_info()[0] for c in cols]
-    args = (*addr[:4], len(loads), *addr[4:])
+    if not isinstance(pieces, Pieces):
+        pieces = Pieces.of(pieces)
+    cols = [c if c else array.array(c.typecode, [0])  # no empty buffers; alive until run returns
+            for c in (pieces.src, pieces.dst, pieces.nbytes, pieces.file)]
+    args = (*(c.buffer_info()[0] for c in cols), len(pieces))
     done = ctypes.c_uint64(0)
-    err_load = ctypes.c_int64(-1)
+    err_piece = ctypes.c_int64(-1)
     result: list[int] = []
     use_driver = USE_DRIVER if cuda is None else cuda
     stats = (ctypes.c_uint64 * len(STATS))()
 
     def call() -> None:  # ctypes lets go of the GIL for the call
         result.append(lib.wc_fill_run(*args, windows, window_bytes, nwin, threads, tile, int(use_driver), ctx,
-                                      stream, ctypes.byref(done), ctypes.byref(err_load), flags, stats))
+                                      stream, ctypes.byref(done), ctypes.byref(err_piece), flags, stats))
 
     worker = threading.Thread(target=call, name="wc-fill-native", daemon=True)
     worker.start()
@@ -162,12 +175,12 @@ def run(loads: list[tuple[int, int, list[tuple[int, int, int]]]], windows: int, 
     finally:
         worker.join()  # the windows stay until the loop has stopped using them, whatever happens here
     last_stats.clear()
-    last_stats.update({k: v / 1e9 for k, v in zip(STATS, stats, strict=True)})
+    last_stats.update({k: v if k == "loads" else v / 1e9 for k, v in zip(STATS, stats, strict=True)})
     rc = result[0] if result else -2
     if rc != 0:
-        raise NativeFillError(rc, err_load.value)
+        raise NativeFillError(rc, err_piece.value)
     if done.value > sent:
         report(done.value - sent)
 
 
-__all__ = ["NativeFillError", "Windows", "library", "run"]
+__all__ = ["NativeFillError", "Pieces", "Windows", "library", "run"]

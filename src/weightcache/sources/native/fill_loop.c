@@ -1,6 +1,8 @@
 /* The staged fill's copy loop in native threads (weightcache.sources.native_fill builds and loads it).
  *
- * Loads (each at most one window) are cut into tiles; `threads` workers take the next tile wherever it is,
+ * The pieces (source address, destination address, bytes, file; in file order) are packed into loads of at
+ * most one window: a load is a run of a file's bytes that holds whole pieces or parts of them, cut where the
+ * address is a multiple of the window size or a gap passes the next page. Loads are cut into tiles; `threads` workers take the next tile wherever it is,
  * copy it out of the file's mapping into the load's window (one of `nwin` page-locked windows that stay in
  * the CPU cache), and the worker that copies a load's last tile queues its device copies and records the
  * window's event. A window is reused once the event of the load before it is done. No barrier per window,
@@ -70,14 +72,15 @@ int wc_fill_open_driver(void) {
 
 typedef struct {
     /* per load */
-    const uint64_t *load_src;   /* address of the load's first byte in its file's mapping */
-    const uint64_t *load_len;   /* bytes copied into the window */
-    const int64_t *load_piece0; /* its first piece */
-    const int64_t *load_npieces;
-    /* per piece */
-    const uint64_t *piece_off; /* from the load's first byte */
-    const uint64_t *piece_dst; /* device (or, without cuda, host) address */
-    const uint64_t *piece_len;
+    uint64_t *load_src;   /* address of the load's first byte in its file's mapping */
+    uint64_t *load_len;   /* bytes copied into the window */
+    int64_t *load_part0;  /* its first part */
+    int64_t *load_nparts;
+    /* per part (a piece, or the share of one that falls in one load) */
+    uint64_t *part_off; /* from the load's first byte */
+    uint64_t *part_dst; /* device (or, without cuda, host) address */
+    uint64_t *part_len;
+    int64_t *part_piece; /* the piece it comes from */
     int64_t nloads;
     uint8_t *windows;
     uint64_t window_bytes;
@@ -109,7 +112,7 @@ enum { WC_SKIP_HOST_COPY = 2, WC_SKIP_DEVICE_COPY = 4 }; /* flags, to measure ea
 /* stats: ns from the start to the threads running, the first and last window queued, the threads joined, the
  * stream synchronized; summed over the workers: ns waiting for a window, copying tiles, queueing copies */
 enum { WC_STARTED, WC_FIRST_QUEUED, WC_LAST_QUEUED, WC_JOINED, WC_SYNCED, WC_WAITED, WC_COPYING, WC_QUEUEING,
-       WC_NSTATS };
+       WC_LOADS /* a count, not ns */, WC_NSTATS };
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -132,7 +135,7 @@ static void stat_mark(fill_t *f, int k, int first) {
 
 static uint64_t load_bytes(fill_t *f, int64_t L) {
     uint64_t n = 0;
-    for (int64_t i = 0; i < f->load_npieces[L]; i++) n += f->piece_len[f->load_piece0[L] + i];
+    for (int64_t i = 0; i < f->load_nparts[L]; i++) n += f->part_len[f->load_part0[L] + i];
     return n;
 }
 
@@ -171,16 +174,16 @@ static void issue(fill_t *f, int64_t L) {
     int slot = (int)(L % f->nwin);
     uint8_t *win = f->windows + (uint64_t)slot * f->window_bytes;
     uint64_t t = f->stats ? now_ns() : 0;
-    for (int64_t i = 0; i < f->load_npieces[L] && !(f->flags & WC_SKIP_DEVICE_COPY); i++) {
-        int64_t p = f->load_piece0[L] + i;
+    for (int64_t i = 0; i < f->load_nparts[L] && !(f->flags & WC_SKIP_DEVICE_COPY); i++) {
+        int64_t p = f->load_part0[L] + i;
         if (f->cuda) {
-            int rc = cu.htod(f->piece_dst[p], win + f->piece_off[p], f->piece_len[p], f->stream);
+            int rc = cu.htod(f->part_dst[p], win + f->part_off[p], f->part_len[p], f->stream);
             if (rc) {
                 fail(f, rc, L);
                 return;
             }
         } else {
-            memcpy((void *)(uintptr_t)f->piece_dst[p], win + f->piece_off[p], f->piece_len[p]);
+            memcpy((void *)(uintptr_t)f->part_dst[p], win + f->part_off[p], f->part_len[p]);
         }
     }
     if (f->cuda) {
@@ -228,23 +231,77 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* 0 on success; else the CUDA error (or -1: out of memory, -2: threads) and *err_load the load it hit. */
-int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_t *load_piece0,
-                const int64_t *load_npieces, int64_t nloads, const uint64_t *piece_off, const uint64_t *piece_dst,
-                const uint64_t *piece_len, uint8_t *windows, uint64_t window_bytes, int nwin, int threads,
-                uint64_t tile, int cuda, void *ctx, void *stream, atomic_ullong *done_bytes, int64_t *err_load,
-                int flags, uint64_t *stats) {
+enum { PAGE = 4096 };
+
+/* The pieces packed into loads and parts (f->load_*, f->part_*, f->nloads); 0, or -1 out of memory. A load
+ * starts where the address is a multiple of the window size, the file changes, or a piece starts past the
+ * page after the load's last byte (the bytes between are copied, not delivered). */
+static int plan_loads(fill_t *f, const uint64_t *src, const uint64_t *dst, const uint64_t *len, const int64_t *file,
+                      int64_t npieces) {
+    const uint64_t w = f->window_bytes;
+    int64_t most = 0;
+    for (int64_t i = 0; i < npieces; i++)
+        if (len[i]) most += (int64_t)((src[i] + len[i] - 1) / w - src[i] / w + 1);
+    size_t n = (size_t)(most ? most : 1);
+    f->load_src = malloc(n * sizeof(uint64_t)), f->load_len = malloc(n * sizeof(uint64_t));
+    f->load_part0 = malloc(n * sizeof(int64_t)), f->load_nparts = malloc(n * sizeof(int64_t));
+    f->part_off = malloc(n * sizeof(uint64_t)), f->part_dst = malloc(n * sizeof(uint64_t));
+    f->part_len = malloc(n * sizeof(uint64_t)), f->part_piece = malloc(n * sizeof(int64_t));
+    if (!f->load_src || !f->load_len || !f->load_part0 || !f->load_nparts || !f->part_off || !f->part_dst ||
+        !f->part_len || !f->part_piece)
+        return -1;
+    int64_t L = -1, k = 0;
+    uint64_t cut = 0, end = 0;
+    int64_t in_file = 0;
+    for (int64_t i = 0; i < npieces; i++) {
+        uint64_t a = src[i], d = dst[i], left = len[i];
+        while (left) {
+            uint64_t here = a / w, m = (here + 1) * w - a;
+            if (m > left) m = left;
+            uint64_t next_page = (end + PAGE - 1) / PAGE * PAGE;
+            if (L < 0 || here != cut || file[i] != in_file || a < f->load_src[L] || a / PAGE * PAGE > next_page) {
+                L++;
+                f->load_src[L] = a, f->load_part0[L] = k, f->load_nparts[L] = 0;
+                cut = here, in_file = file[i], end = a;
+            }
+            if (a + m > end) end = a + m;
+            f->load_len[L] = end - f->load_src[L];
+            f->part_off[k] = a - f->load_src[L], f->part_dst[k] = d, f->part_len[k] = m, f->part_piece[k] = i;
+            f->load_nparts[L]++, k++;
+            a += m, d += m, left -= m;
+        }
+    }
+    f->nloads = L + 1;
+    return 0;
+}
+
+/* 0 on success; else the CUDA error (or -1: out of memory, -2: threads) and *err_piece the piece it hit
+ * (the first of its load), -1 where it hit none. */
+int wc_fill_run(const uint64_t *piece_src, const uint64_t *piece_dst, const uint64_t *piece_len,
+                const int64_t *piece_file, int64_t npieces, uint8_t *windows, uint64_t window_bytes, int nwin,
+                int threads, uint64_t tile, int cuda, void *ctx, void *stream, atomic_ullong *done_bytes,
+                int64_t *err_piece, int flags, uint64_t *stats) {
     fill_t f;
     memset(&f, 0, sizeof f);
     f.flags = flags, f.stats = stats, f.t0 = now_ns();
     if (stats) memset(stats, 0, sizeof(uint64_t) * WC_NSTATS);
-    f.load_src = load_src, f.load_len = load_len, f.load_piece0 = load_piece0, f.load_npieces = load_npieces;
-    f.piece_off = piece_off, f.piece_dst = piece_dst, f.piece_len = piece_len, f.nloads = nloads;
     f.windows = windows, f.window_bytes = window_bytes, f.nwin = nwin, f.tile = tile, f.cuda = cuda;
     f.ctx = ctx, f.stream = stream, f.done_bytes = done_bytes;
-    *err_load = -1;
-    if (nloads == 0) return 0;
-    if (cuda && wc_fill_open_driver()) return -3;
+    *err_piece = -1;
+    pthread_t *pool = NULL;
+    int rc = 0, started = 0;
+    if (plan_loads(&f, piece_src, piece_dst, piece_len, piece_file, npieces)) {
+        rc = -1;
+        goto out;
+    }
+    int64_t nloads = f.nloads;
+    const uint64_t *load_len = f.load_len;
+    if (stats) stats[WC_LOADS] = (uint64_t)nloads;
+    if (nloads == 0) goto out;
+    if (cuda && wc_fill_open_driver()) {
+        rc = -3;
+        goto out;
+    }
     int64_t ntiles = 0;
     for (int64_t L = 0; L < nloads; L++) ntiles += (int64_t)((load_len[L] + tile - 1) / tile);
     f.ntiles = ntiles;
@@ -255,8 +312,7 @@ int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_
     f.reclaimed = calloc((size_t)nloads, sizeof(atomic_int));
     f.slot_lock = calloc((size_t)nwin, sizeof(pthread_mutex_t));
     f.events = calloc((size_t)nwin, sizeof(void *));
-    pthread_t *pool = calloc((size_t)threads, sizeof(pthread_t));
-    int rc = 0, started = 0;
+    pool = calloc((size_t)threads, sizeof(pthread_t));
     if (!f.tile_load || !f.tile_off || !f.left || !f.queued || !f.reclaimed || !f.slot_lock || !f.events || !pool) {
         rc = -1;
         goto out;
@@ -293,7 +349,8 @@ int wc_fill_run(const uint64_t *load_src, const uint64_t *load_len, const int64_
             if (!atomic_load(&f.reclaimed[L])) atomic_fetch_add(done_bytes, load_bytes(&f, L));
     }
     rc = atomic_load(&f.err);
-    *err_load = atomic_load(&f.err_load);
+    int64_t L = atomic_load(&f.err_load);
+    if (L >= 0 && L < nloads) *err_piece = f.part_piece[f.load_part0[L]];
 out:
     if (cuda && f.events)
         for (int i = 0; i < nwin; i++)
@@ -302,6 +359,8 @@ out:
         for (int i = 0; i < nwin; i++) pthread_mutex_destroy(&f.slot_lock[i]);
     free(f.tile_load), free(f.tile_off), free(f.left), free(f.queued), free(f.reclaimed), free(f.slot_lock);
     free(f.events), free(pool);
+    free(f.load_src), free(f.load_len), free(f.load_part0), free(f.load_nparts);
+    free(f.part_off), free(f.part_dst), free(f.part_len), free(f.part_piece);
     return rc;
 }
 
