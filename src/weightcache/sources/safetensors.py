@@ -75,9 +75,14 @@ _ST_DTYPES = {
 }
 
 
+_TORCH_DTYPES = {code: dt for code, name in _ST_DTYPES.items()
+                 if isinstance(dt := getattr(torch, name, None), torch.dtype)}
+_REPLICATED = ShardSpec(None, None)
+
+
 def _torch_dtype(code: str, file: Path, name: str) -> torch.dtype:
-    dt = getattr(torch, _ST_DTYPES.get(code, ""), None)
-    if not isinstance(dt, torch.dtype):
+    dt = _TORCH_DTYPES.get(code)
+    if dt is None:
         raise CheckpointError(f"{file}: tensor {name!r} has dtype {code!r}, which this torch cannot hold")
     return dt
 
@@ -117,14 +122,14 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     meta = header.pop("__metadata__", None) or {}
     base = 8 + n
     entries = {}
+    dtypes = _TORCH_DTYPES
     for name, info in header.items():
         try:
-            code, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            code, shape, (b, e) = info["dtype"], tuple(map(int, info["shape"])), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from err
-        dtype = _torch_dtype(code, path, name)
-        itemsize = dtype.itemsize
-        expect = math.prod(shape) * itemsize
+        dtype = dtypes.get(code) or _torch_dtype(code, path, name)
+        expect = math.prod(shape) * dtype.itemsize
         if e - b != expect or b < 0:
             raise CheckpointError(
                 f"{path}: tensor {name!r} occupies {e - b} bytes but shape {list(shape)} of {code} needs {expect}"
@@ -324,12 +329,17 @@ class SafetensorsSource:
         # a plan other than transformers' own changes the bytes: it goes into the key
         self._custom_plan = tp_size > 1 and tp_plan is not None and not (isinstance(tp_plan, str) and tp_plan == "auto")
         self.tensors: dict[str, _Tensor] = {}
-        for tname in sorted(entries, key=lambda n: (str(entries[n].file), entries[n].start)):
+        files = {f: str(f) for f in {e.file for e in entries.values()}}
+        for tname in sorted(entries, key=lambda n: (files[entries[n].file], entries[n].start)):
             e = entries[tname]
-            spec = self.plan.spec(tname, e.shape) if tp_size > 1 else ShardSpec(None, None)
-            spec.check(f"{e.file.name}: {tname}", e.shape, tp_size)
+            if tp_size > 1:
+                spec = self.plan.spec(tname, e.shape)
+                spec.check(f"{e.file.name}: {tname}", e.shape, tp_size)
+                shape = spec.shard_shape(e.shape, tp_size)
+            else:
+                spec, shape = _REPLICATED, e.shape
             out_dtype = dtype if (dtype is not None and e.dtype.is_floating_point) else e.dtype
-            self.tensors[tname] = _Tensor(e, spec, spec.shard_shape(e.shape, tp_size), out_dtype)
+            self.tensors[tname] = _Tensor(e, spec, shape, out_dtype)
         self._handles: dict[Path, object] = {}
         self._handles_lock = threading.Lock()
         self._sendfile_ok = hasattr(os, "sendfile")
@@ -508,18 +518,18 @@ class SafetensorsSource:
         return files
 
     def _check_views(self, views: Mapping[str, torch.Tensor]) -> None:
+        kind, index = self.device.type, self.device.index
         for name, t in self.tensors.items():
             v = views.get(name)
             if v is None:
                 raise CheckpointError(f"no destination view for tensor {name!r} (from {t.entry.file.name})")
-            if tuple(v.shape) != t.out_shape or v.dtype != t.out_dtype:
+            if v.shape != t.out_shape or v.dtype != t.out_dtype:
                 raise CheckpointError(
                     f"destination view for {name!r} is {v.dtype} {list(v.shape)}, expected "
                     f"{t.out_dtype} {list(t.out_shape)}"
                 )
-            if v.device.type != self.device.type or (
-                self.device.index is not None and v.device.index != self.device.index
-            ):
+            where = v.device
+            if where.type != kind or (index is not None and where.index != index):
                 raise CheckpointError(f"destination view for {name!r} is on {v.device}, source device is {self.device}")
 
     def plan_reads(self, views: Mapping[str, torch.Tensor]) -> tuple[list[Piece], list[SliceJob]]:
