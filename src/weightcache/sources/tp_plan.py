@@ -17,6 +17,8 @@ parameter falls back to its module's rule. Style semantics follow ``transformers
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import logging
 import math
@@ -230,7 +232,7 @@ class TPPlan:
         model_cls = _model_class(config)
         if model_cls is not None:
             try:
-                with torch.device("meta"):
+                with torch.device("meta"), _no_init_weights():
                     model = model_cls(config)
                 embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
                 plan = {k: v for k, v in dict(model.tp_plan).items()}
@@ -247,6 +249,17 @@ class TPPlan:
         plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
         plan.update(dict(getattr(model_cls, "_tp_plan", None) or {}))
         return cls(_known_only(plan, type(config).__name__), prefix=prefix, source="config.base_model_tp_plan")
+
+
+def _no_init_weights():
+    """transformers' own switch that skips initializing weights (a meta model needs none: half the time of
+    building a 16 GB Llama's skeleton); nothing where this transformers has none."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return importlib.import_module(where).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
 
 
 def _known_only(plan: dict[str, str], where: str) -> dict[str, str]:
