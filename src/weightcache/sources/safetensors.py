@@ -253,7 +253,7 @@ class SafetensorsSource:
     * ``instanttensor`` (CUDA, optional extra): InstantTensor reads, weightcache copies into the views
 
     ``threads`` workers, each with ``depth`` copies in flight on ``streams`` CUDA streams (1..depth);
-    ``order`` "file" or "interleave" (round robin over the files); ``hugepages`` puts staging buffers in
+    ``order`` "file" or "interleave" (round robin over the files; the native loop reads file after file); ``hugepages`` puts staging buffers in
     transparent huge pages (registered with CUDA) instead of torch's pinned memory (the default: faster on
     the H200, docs/benchmarks.md; where the kernel has none, pinned memory).
     """
