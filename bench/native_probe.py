@@ -144,7 +144,8 @@ def main(argv=None) -> int:
         line = f"{name:<22} {row['gb_per_s']:6.1f} {row['gb_per_s_median']:6.1f}"
         if "fill" in rs[0]:
             row["fill_gb_per_s"] = nbytes / min(r["fill"] for r in rs) / 1e9
-            med = {key: statistics.median(r["loop"].get(key, 0) for r in rs) * 1e3 for key in native_fill.STATS}
+            med = {key: statistics.median(r["loop"].get(key, 0) for r in rs) * (1 if key == "loads" else 1e3)
+                   for key in native_fill.STATS}
             plan = statistics.median(r["plan"] for r in rs) * 1e3
             line += (f" {row['fill_gb_per_s']:6.1f}  plan {plan:.1f}, " +
                      ", ".join(f"{key} {v:.1f}" for key, v in med.items()))

@@ -46,8 +46,10 @@ DEFAULT_DEPTH = 2  # copies in flight per thread
 STAGE_READS = ("native", "pipeline", "memcpy", "preadv")
 DEFAULT_STAGE_READ = "native"
 DEFAULT_TILE_BYTES = 2 << 20  # stage_read="native": what a worker copies at a time
-DEFAULT_WINDOW_BYTES = 16 << 20  # 6 x 16 MiB: 49.7 GB/s against 3 x 32 MiB's 48.8 (H200, one run)
-DEFAULT_WINDOWS = 6
+DEFAULT_WINDOW_BYTES = 16 << 20
+# 4 x 16 MiB: 52.5-52.6 GB/s (median 51.9-52.2) against 6 x 16 MiB's 49.6-49.8 (47.2-48.1) in two runs on an
+# H100 host with 105 MiB of L3; more than 96 MiB of windows was slower on the H200 too (docs/benchmarks.md)
+DEFAULT_WINDOWS = 4
 DEFAULT_NATIVE_THREADS = 12  # at most, and 4 cores left to the driver and the rest (InstantTensor's rule)
 AUTO_INSTANTTENSOR = False  # auto reads tmpfs files with InstantTensor: no, since the pipeline beats it
 IO_MODES = ("auto", "staged", "register", "direct", "mmap", "instanttensor")
