@@ -227,7 +227,6 @@ class CudaFill:
     def __init__(self, source, views, pieces: list, slices: list, report: Callable[[int], None],
                  device: torch.device | None = None):
         self.src, self.views, self.pieces, self.slices, self.report = source, views, pieces, slices, report
-        self.items: list = []
         self.device = device or next(v.device for v in views.values() if v.device.type == "cuda")
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.cu, self.arena = _driver()

@@ -1,8 +1,9 @@
 /* The staged fill's copy loop in native threads (weightcache.sources.native_fill builds and loads it).
  *
  * The pieces (source address, destination address, bytes, file; in file order) are packed into loads of at
- * most one window: a load is a run of a file's bytes that holds whole pieces or parts of them, cut where the
- * address is a multiple of the window size or a gap passes the next page. Loads are cut into tiles; `threads` workers take the next tile wherever it is,
+ * most one window: a load is a run of one file's bytes that holds whole pieces or parts of them, cut where
+ * the address is a multiple of the window size or a gap passes the next page. Loads are cut into tiles;
+ * `threads` workers take the next tile wherever it is,
  * copy it out of the file's mapping into the load's window (one of `nwin` page-locked windows that stay in
  * the CPU cache), and the worker that copies a load's last tile queues its device copies and records the
  * window's event. A window is reused once the event of the load before it is done. No barrier per window,
