@@ -64,14 +64,14 @@ from weightcache.sources.filemap import drop_from_page_cache, resident_fraction,
 from weightcache.sources.instanttensor import shard_of  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
-SWEEP_H200 = [  # the previous defaults, the native loop's knobs, the workers' copies
-    "io=staged,stage_read=pipeline,window_mb=32,windows=3",
-    "io=staged,stage_read=native,window_mb=32,windows=3,threads=16",
-    "io=staged,stage_read=native,threads=16",
-    "io=staged,stage_read=native,window_mb=32,windows=4",
-    "io=staged,stage_read=preadv,chunk_mb=16",
+SWEEP_H200 = [  # window shapes around the default (4 x 16 MiB), the previous default, workers, the pipeline
+    "io=staged,window_mb=16,windows=6",
+    "io=staged,window_mb=12,windows=4",
+    "io=staged,window_mb=8,windows=6",
+    "io=staged,window_mb=32,windows=3",
+    "io=staged,threads=16",
+    "io=staged,stage_read=pipeline",
     "io=staged,stage_read=memcpy,chunk_mb=8",
-    "io=register,threads=16,register_mb=128",
 ]
 SWEEP_KEYS = {"io": str, "threads": int, "chunk_mb": int, "register_mb": int, "depth": int, "streams": int,
               "order": str, "hugepages": int, "sendfile": int, "stage_read": str,

@@ -36,7 +36,7 @@ VARIANTS = {  # name: (when the windows are made, cuda_fill settings, extra loop
     "made in turn": (AT_FILL, {"NATIVE_EARLY": False}, 0, {}),
     "faulted by the kernel": (PREPARED, {"WINDOW_FAULT_THREADS": 0}, 0, {}),
     "made before the clock": (PREMADE, {}, 0, {}),
-    "8 x 16 MiB": (PREPARED, {}, 0, {"windows": 8}),
+    "6 x 16 MiB (the default before)": (PREPARED, {}, 0, {"windows": 6}),
     "device copies only": (PREPARED, {}, native_fill.SKIP_HOST_COPY, {}),
     "file copies only": (PREPARED, {}, native_fill.SKIP_DEVICE_COPY, {}),
 }
