@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     path = sparse_checkpoint(Path(args.dir), args.size_gb, args.shard_gb)
-    first, _ = one_run(path, args.tp)  # the first in the process, as a daemon's one load: imports, caches
+    first, _ = one_run(path, args.tp)  # the first in the process, as a daemon's one load: lazy imports, cold caches
     for _ in range(2):
         one_run(path, args.tp)
     runs, shape = [], {}
