@@ -17,10 +17,10 @@ for w in .whl/*.whl .devcarry/*.whl; do
   if [ -e "$w" ]; then "$py" -m zipfile -e "$w" "$extra"; fi
 done
 sites=$extra
-for part in .devcarry/*/p01; do  # bundles staged by `make stage-loaders` / `make stage-deps`, one site each
-  [ -e "$part/manifest.json" ] || continue
-  name=$(basename "$(dirname "$part")")
-  "$py" tools/offline_unpack.py --stash "$extra/stash-$name" "$(dirname "$part")"/p* >/dev/null
+for bundle in .devcarry/*/; do  # bundles staged by `make stage-loaders` / `make stage-deps`, one site each
+  [ -e "${bundle}p01/manifest.json" ] || continue
+  name=$(basename "$bundle")
+  "$py" tools/offline_unpack.py --stash "$extra/stash-$name" "$bundle"p* >/dev/null
   "$py" tools/offline_unpack.py --stash "$extra/stash-$name" --extract "$extra/site-$name" >/dev/null
   sites="$sites:$extra/site-$name"
 done
@@ -40,12 +40,14 @@ if [ "${TESTS:-1}" = 1 ]; then
   ("$py" -m pytest -q -p no:cacheprovider -m gpu ${TEST_FILES:-tests/test_safetensors_source.py} 2>&1 || true) | tail -8 \
     | tee "$outdir/load-h200-gpu-tests.log"  # a failing test is in the log; the benchmark still runs
 fi
+cleanup=--cleanup
+if [ "${PROBE_RUNS:-0}" -gt 0 ]; then cleanup=; fi  # the probe reads the same checkpoint, then removes it
 "$py" bench/load.py --dir /dev/shm/wcload --size-gb "${SIZE_GB:-16}" --cold-dir "${COLD_DIR:-/tmp/wccold}" \
-  --cold-gb "${COLD_GB:-4}" --runs "${RUNS:-2}" --sweep "${SWEEP:-h200}" --rewrite --cleanup \
+  --cold-gb "${COLD_GB:-4}" --runs "${RUNS:-2}" --sweep "${SWEEP:-h200}" --rewrite $cleanup \
   --out "$outdir/load-h200.json" 2>&1 | tee "$outdir/load-h200.log"
 if [ "${PROBE_RUNS:-0}" -gt 0 ]; then
   "$py" bench/native_probe.py --dir /dev/shm/wcload --size-gb "${SIZE_GB:-16}" --runs "$PROBE_RUNS" \
     --out "$outdir/native-probe-h200.json" 2>&1 | tee "$outdir/native-probe-h200.log"
-  rm -rf /dev/shm/wcload
+  rm -rf /dev/shm/wcload "${COLD_DIR:-/tmp/wccold}"
 fi
 rm -rf "$extra"
