@@ -9,7 +9,7 @@ export DO_NOT_TRACK=1
 export VLLM_HOST_IP=127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: venv vllm demo test lint clean stage-vllm stage-loaders stage-deps
+.PHONY: venv vllm demo test test-tools lint clean stage-vllm stage-loaders stage-deps
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: $(STAMP)
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests bench tools
 	$(BIN)/python -m pytest -q tests
+
+# the offline bundler for the GPU host (tools/): not the product, tested apart
+test-tools: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tools/tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench tools

@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import weightcache as wc  # noqa: E402
-from weightcache.key import CacheKey  # noqa: E402
-from weightcache.manifest import TensorMeta  # noqa: E402
+from weightcache.key import CacheKey
+from weightcache.manifest import TensorMeta
+from weightcache.sources import FillSource
 
 ROWS_DTYPE = torch.bfloat16
 METHODS = ("map", "copy", "legacy_ipc", "safetensors")
@@ -48,7 +49,7 @@ def tensor_shapes(total_bytes: int, n: int = 1000, device: str = "cuda") -> dict
     return shapes
 
 
-class RandomSource:
+class RandomSource(FillSource):
     """Fills the arena with random values generated on its device (no 2x memory)."""
 
     def __init__(self, shapes):

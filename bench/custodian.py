@@ -104,7 +104,7 @@ def _proc(pid):
 
 def release_all(sdir: str) -> None:
     """Stop the custodian (it frees everything it holds): the next preload starts from nothing."""
-    from weightcache.custodian import CustodianClient
+    from weightcache.custodian.client import CustodianClient
     from weightcache.errors import WeightCacheError
 
     try:

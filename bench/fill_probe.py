@@ -24,8 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from weightcache.sources.filemap import FileMap  # noqa: E402
-from weightcache.sources.reading import run_workers  # noqa: E402
+from weightcache.reader.filemap import FileMap  # noqa: E402
+from weightcache.reader.reading import run_workers  # noqa: E402
 
 MiB = 1 << 20
 MADV_POPULATE_READ = 22
@@ -232,13 +232,13 @@ def main(argv=None) -> int:
 
     # one thread: torch's parallel copy (intra-op threads) into a few small windows, then the DMA: the staging
     # stays in the CPU cache
-    from weightcache.sources.cuda_fill import _HugeStaging
+    from weightcache.reader.staging import HugeStaging
 
     def window_row(chunk_mb: int, windows: int, nstreams: int = 1):
         c = chunk_mb * MiB
         fm = FileMap(path)
         src = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(fm.addr), dtype=torch.uint8)
-        stage = _HugeStaging(windows * c)
+        stage = HugeStaging(windows * c)
         evs = [torch.cuda.Event() for _ in range(windows)]
         strs = [torch.cuda.Stream() for _ in range(nstreams)]
         torch.cuda.synchronize()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 import load  # noqa: E402
-from weightcache.sources import cuda_fill  # noqa: E402
+from weightcache.reader import cuda_fill  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
 spent: dict[str, float] = collections.defaultdict(float)
@@ -45,7 +45,7 @@ def _timed(name: str, fn):
 
 
 def _instrument() -> None:
-    cuda_fill._Slot.drain = _timed("wait for a slot", cuda_fill._Slot.drain)
+    cuda_fill.staging.Slot.drain = _timed("wait for a slot", cuda_fill.staging.Slot.drain)
     cuda_fill.CudaFill._staging = _timed("staging buffers", cuda_fill.CudaFill._staging)
     cuda_fill.CudaFill._to_device = _timed("queue copies", cuda_fill.CudaFill._to_device)
     cuda_fill.CudaFill._register = _timed("register + queue", cuda_fill.CudaFill._register)
@@ -55,7 +55,7 @@ def _instrument() -> None:
     cuda_fill.CudaFill._window_loads = _timed("cut windows", cuda_fill.CudaFill._window_loads)
     cuda_fill.CudaFill._pipeline = _timed("window loop (all)", cuda_fill.CudaFill._pipeline)
     cuda_fill.unmap_later = _timed("unmap_later", cuda_fill.unmap_later)
-    for name in ("work_items", "open_files", "plan_reads", "_check_views"):
+    for name in ("read_plan", "_check_views"):
         setattr(SafetensorsSource, name, _timed(name.strip("_"), getattr(SafetensorsSource, name)))
     import ctypes
 
@@ -100,9 +100,9 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t
             parts = dict(spent)
             out.append({"spec": spec, "run": run, "buffers": arena.kind, "wall": wall, "gb_per_s": src.nbytes / wall / 1e9,
-                        "threads": src.threads, "parts": parts, "setup": setup})
+                        "threads": src.read.threads, "parts": parts, "setup": setup})
             print("  before the fill: " + ", ".join(f"{k} {v:.4f} s" for k, v in setup.items()))
-            print(f"{spec} [{arena.kind}] run {run}: {wall:.4f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.threads} threads; "
+            print(f"{spec} [{arena.kind}] run {run}: {wall:.4f} s {src.nbytes / wall / 1e9:.1f} GB/s ({src.read.threads} threads; "
                   "seconds summed over threads: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(parts.items())) + ")",
                   flush=True)
             arena.close()

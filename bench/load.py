@@ -58,11 +58,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from weightcache.checkpoints import estimate_llama_bytes, llama_config_for_bytes, make_llama_checkpoint  # noqa: E402
-from weightcache.key import parse_dtype  # noqa: E402
-from weightcache.sources.filemap import drop_from_page_cache, resident_fraction, wait_unmapped  # noqa: E402
-from weightcache.sources.instanttensor import shard_of  # noqa: E402
-from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
+from weightcache.dtypes import parse_dtype
+from weightcache.reader.filemap import drop_from_page_cache, resident_fraction, wait_unmapped
+from weightcache.reader.instanttensor import shard_of
+from weightcache.sources.safetensors import SafetensorsSource
+from weightcache.testing.checkpoints import (
+    estimate_llama_bytes,
+    llama_config_for_bytes,
+    make_llama_checkpoint,
+)
 
 SWEEP_H200 = [  # window shapes around the default (4 x 16 MiB), the previous default, workers, the pipeline
     "io=staged,window_mb=16,windows=6",
@@ -194,7 +198,8 @@ class ArenaViews:
         if use_arena:
             try:
                 from weightcache.arena import allocate_block
-                from weightcache.manifest import build_views, plan_for_metas
+                from weightcache.manifest import plan_for_metas
+                from weightcache.packing import build_views
 
                 manifest = plan_for_metas(metas)
                 for spec in manifest.blocks:
@@ -262,7 +267,7 @@ def _run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Re
                             **source_kwargs(opts, args))
     if not opts.get("sendfile", 1):
         src._sendfile_ok = False  # the CPU path before sendfile: preadv through the arena's mapping
-    src.prepare_fill()  # as Daemon.load does: staging made while the arena is allocated
+    src.prepare()  # as Daemon.load does: staging made while the arena is allocated
     arena = ArenaViews(src.describe(), device, not args.no_arena)
     sync(device)
     t1 = time.perf_counter()
@@ -275,7 +280,7 @@ def _run_weightcache(path: Path, device: torch.device, args, opts: dict, ref: Re
         arena.close()
     modes = sorted(set(src.last_modes.values()))
     return {"bytes": src.nbytes, "seconds": t2 - t0, "fill_seconds": t2 - t1, "buffers": arena.kind,
-            "verified": checked, "io": src.io, "modes": src.last_modes,
+            "verified": checked, "io": src.read.io, "modes": src.last_modes,
             "read_as": "+".join(modes) if modes else "slices"}
 
 

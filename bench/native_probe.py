@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 import load  # noqa: E402
-from weightcache.sources import cuda_fill, native_fill  # noqa: E402
+from weightcache.reader import cuda_fill, native_fill  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
 PREPARED, AT_FILL, PREMADE = "prepared", "at fill", "premade"
@@ -100,12 +100,12 @@ def main(argv=None) -> int:
                 src = SafetensorsSource(path, device=device, tp_rank=0, tp_size=1, progress=False, **opts)
                 t1 = time.perf_counter()
                 if when == PREMADE:
-                    src.prepare_fill()
+                    src.prepare()
                     src._prepared._thread.join()
                     t0 = time.perf_counter() - (t1 - t0)  # the source's set-up counted, the windows not
                     t1 = time.perf_counter()
                 elif when == PREPARED:
-                    src.prepare_fill()
+                    src.prepare()
                 arena = load.ArenaViews(src.describe(), device, True)
                 torch.cuda.synchronize(device)
                 t2 = time.perf_counter()

@@ -5,7 +5,7 @@ For each random-weight checkpoint (Llama-shaped dense models, or a Qwen3-MoE-sha
 
   transformers  AutoModelForCausalLM.from_pretrained from a warm page cache (straight onto the device)
   weightcache   weightcache.transformers.from_pretrained attaching the weights a daemon holds (zero-copy map);
-                the daemon built them with transformers' own from_pretrained (weightcache.sources.transformers)
+                the daemon built them with transformers' own from_pretrained (weightcache.integrations.transformers.producer)
   cuda_ipc      legacy CUDA IPC: a producer builds the same model the same way and shares every tensor through
                 torch.multiprocessing.reductions (what vLLM's and SGLang's weight caches do); the engine
                 rebuilds every tensor and binds them with the same code as weightcache
@@ -74,7 +74,7 @@ def preset_shapes(name: str) -> dict:
     if name in PRESETS:
         return dict(PRESETS[name])
     if name.endswith("gb"):
-        from weightcache.checkpoints import llama_config_for_bytes
+        from weightcache.testing.checkpoints import llama_config_for_bytes
 
         return llama_config_for_bytes(int(float(name[:-2]) * 1e9))
     raise SystemExit(f"unknown model {name!r}: one of {sorted(PRESETS) + sorted(MOE_PRESETS)} or a size such as 24gb")
@@ -83,14 +83,18 @@ def preset_shapes(name: str) -> dict:
 def _moe_bytes(shapes: dict, dtype: torch.dtype) -> int:
     import math
 
-    from weightcache.checkpoints import moe_config, qwen3_moe_param_shapes
+    from weightcache.testing.checkpoints import moe_config, qwen3_moe_param_shapes
 
     esz = torch.empty((), dtype=dtype).element_size()
     return sum(math.prod(s) for s in qwen3_moe_param_shapes(moe_config("qwen3_moe", **shapes)).values()) * esz
 
 
 def ensure_checkpoint(ckpt_dir: Path, name: str, dtype: torch.dtype) -> tuple[Path, dict]:
-    from weightcache.checkpoints import estimate_llama_bytes, make_llama_checkpoint, make_moe_checkpoint
+    from weightcache.testing.checkpoints import (
+        estimate_llama_bytes,
+        make_llama_checkpoint,
+        make_moe_checkpoint,
+    )
 
     shapes = preset_shapes(name)
     moe = name in MOE_PRESETS
@@ -124,7 +128,7 @@ def ensure_checkpoint(ckpt_dir: Path, name: str, dtype: torch.dtype) -> tuple[Pa
 def digest_and_warm(path: Path) -> float:
     """Hash every weight file once, in parallel (remembered by weightcache.key, so no engine hashes), which
     also brings the files into the page cache."""
-    from weightcache.key import checkpoint_digest, checkpoint_files, file_digest
+    from weightcache.digests import checkpoint_digest, checkpoint_files, file_digest
 
     t0 = time.perf_counter()
     files = checkpoint_files(path)
@@ -151,9 +155,9 @@ def warm_page_cache(path: Path) -> None:
 def run_daemon(model: str, socket_dir: str, device: str, dtype: str) -> None:
     """What `weightcache preload --model MODEL` runs for one rank: transformers' from_pretrained, captured."""
     from weightcache.daemon import Daemon
-    from weightcache.layout import Placement
-    from weightcache.naming import device_tag, socket_path
-    from weightcache.sources.transformers import TransformersSource
+    from weightcache.integrations.transformers.producer import TransformersSource
+    from weightcache.preload.layout import Placement
+    from weightcache.sockets import device_tag, socket_path
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -176,8 +180,8 @@ def run_ipc_producer(model: str, target: str, device: str, dtype: str) -> None:
 
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from weightcache.key import parse_dtype
-    from weightcache.sources.transformers import build_model, capture
+    from weightcache.dtypes import parse_dtype
+    from weightcache.integrations.transformers.producer import build_model, capture
 
     dt = parse_dtype(dtype)
     t0 = time.perf_counter()
@@ -210,7 +214,7 @@ def engine(method: str, model: str, device: str, dtype: str, socket_dir: str, ip
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import weightcache.transformers as wct
-    from weightcache.key import parse_dtype
+    from weightcache.dtypes import parse_dtype
 
     # The model's modeling module: every engine imports it (transformers does inside from_pretrained); counted
     # with the imports so that the weight-load phase is the same work for all three.
@@ -242,9 +246,9 @@ def engine(method: str, model: str, device: str, dtype: str, socket_dir: str, ip
     elif method == "cuda_ipc":
         import pickle
 
-        from weightcache.engines.transformers import build
-        from weightcache.model_state import read_side_data
-        from weightcache.transformers_compat import META_FORMAT, META_NAME
+        from weightcache.integrations.model_state import read_side_data
+        from weightcache.integrations.transformers.compat import META_FORMAT, META_NAME
+        from weightcache.integrations.transformers.engine import build
 
         payload = pickle.loads(Path(ipc_file).read_bytes())
         t = time.perf_counter()
@@ -316,7 +320,7 @@ def summarize(model: str, method: str, runs: list[dict], info: dict, extra: dict
 
 
 def bench_model(name: str, a, work: Path) -> tuple[dict, list[dict]]:
-    from weightcache.key import parse_dtype
+    from weightcache.dtypes import parse_dtype
 
     dt = parse_dtype(a.dtype)
     path, info = ensure_checkpoint(Path(a.ckpt_dir), name, dt)

@@ -28,11 +28,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from weightcache.checkpoints import llama_config_for_bytes, llama_param_shapes  # noqa: E402
-from weightcache.manifest import build_views, plan_for_metas  # noqa: E402
-from weightcache.sources import cuda_fill  # noqa: E402
-from weightcache.sources.read_plan import Segment  # noqa: E402
+from weightcache.manifest import plan_for_metas  # noqa: E402
+from weightcache.packing import build_views  # noqa: E402
+from weightcache.reader import cuda_fill  # noqa: E402
+from weightcache.reader.read_plan import Segment  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
+from weightcache.testing.checkpoints import llama_config_for_bytes, llama_param_shapes  # noqa: E402
 
 PHASES = ("source", "manifest", "views", "check views", "plan reads", "map files", "native plan", "segments")
 ON_PATH = PHASES[:-1]  # what the default (the native loop) runs
@@ -96,22 +97,23 @@ def one_run(path: Path, tp: int) -> tuple[dict[str, float], dict]:
     src.device = torch.device("meta")  # the views' device
     src._check_views(views)
     mark("check views")
-    pieces, slices = src.plan_reads(views)
+    read_plan = src.read_plan(views)
+    pieces = read_plan.pieces
     mark("plan reads")
-    fill = cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0))
+    fill = cuda_fill.CudaFill(read_plan, src.read, views, lambda n: None, device=torch.device("cuda", 0))
     fill.index = 0
     fill._choose_modes()
     mark("map files")
     piped = {f for f in fill.maps if fill._pipelined(f)}
-    src.work_items([p for p in pieces if p.file not in piped], slices, fill._segment_bytes)
+    read_plan.work_items(fill._segment_bytes, src.read.order, [p for p in pieces if p.file not in piped])
     plan, _ = fill._native_plan([p for p in pieces if p.file in piped])
     mark("native plan")
-    items = src.work_items(pieces, slices, fill._segment_bytes)
+    items = read_plan.work_items(fill._segment_bytes, src.read.order)
     fill._window_loads([i for i in items if isinstance(i, Segment) and i.file in piped])
     mark("segments")
     for fm in fill.maps.values():
         fm.close()
-    return t, {"tensors": len(src.tensors), "pieces": len(plan), "slices": len(slices),
+    return t, {"tensors": len(src.tensors), "pieces": len(plan), "slices": len(read_plan.slices),
                "segments": sum(isinstance(i, Segment) for i in items), "files": len(fill.maps), "bytes": src.nbytes}
 
 

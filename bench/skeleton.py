@@ -59,8 +59,8 @@ def stand_ins(model_dir: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from weightcache import model_state
-    from weightcache.transformers_compat import META_FORMAT, META_NAME, RULES
+    from weightcache.integrations import model_state
+    from weightcache.integrations.transformers.compat import META_FORMAT, META_NAME, RULES
 
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
@@ -106,7 +106,7 @@ def run(name: str, runs: int, work: Path) -> dict:
 
     import weightcache.transformers as wct
     from weightcache.daemon import Daemon
-    from weightcache.naming import device_tag, socket_path
+    from weightcache.sockets import device_tag, socket_path
 
     model_dir = work / name
     write_checkpoint_dir(model_dir, SHAPES[name])

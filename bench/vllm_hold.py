@@ -88,8 +88,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from weightcache.checkpoints import estimate_llama_bytes, llama_config_for_bytes, make_llama_checkpoint
     from weightcache.client import query_status
+    from weightcache.testing.checkpoints import (
+        estimate_llama_bytes,
+        llama_config_for_bytes,
+        make_llama_checkpoint,
+    )
 
     work = Path(args.workdir)
     model = work / f"llama-{args.gb:g}gb"

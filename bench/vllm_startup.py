@@ -119,7 +119,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from weightcache.checkpoints import estimate_llama_bytes, llama_config_for_bytes, make_llama_checkpoint
+    from weightcache.testing.checkpoints import (
+        estimate_llama_bytes,
+        llama_config_for_bytes,
+        make_llama_checkpoint,
+    )
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="wcvb"))
     work.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 import weightcache as wc
-from weightcache.engines.torch import load_into
-from weightcache.key import CacheKey, dtype_name
-from weightcache.naming import device_tag, ensure_private_dir, socket_path
+from weightcache.dtypes import dtype_name
+from weightcache.integrations.torch import load_into
+from weightcache.key import CacheKey
+from weightcache.sockets import device_tag, ensure_private_dir, socket_path
 
 VOCAB, DIM = 64, 32
 

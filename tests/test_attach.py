@@ -15,6 +15,7 @@ import weightcache as wc
 from conftest import DEVICES
 from procs import bits, sample_tensors, start_daemon
 from weightcache.key import CacheKey
+from weightcache.sources import FillSource
 
 KEY = CacheKey(model="sample", content_digest="d0")
 
@@ -375,9 +376,9 @@ def test_missing_daemon_is_a_clear_error(sockdir):
         wc.attach(_sock(sockdir))
 
 
-class SlowSource:
+class SlowSource(FillSource):
     def __init__(self):
-        self.release = threading.Event()
+        self.let_go = threading.Event()
         self.halfway = threading.Event()
 
     def describe(self):
@@ -389,7 +390,7 @@ class SlowSource:
         views["w"][:512] = 1.0
         progress(2048)
         self.halfway.set()
-        self.release.wait(30)
+        self.let_go.wait(30)
         views["w"][512:] = 2.0
         progress(2048)
 
@@ -414,13 +415,13 @@ def test_attach_waits_while_loading_then_gets_weights(sockdir):
 
         assert [r["state"] for r in collect(sockdir)] == [
             f"loading 50% {wc.query_status(_sock(sockdir)).load_bytes_per_second / 1e9:.2f} GB/s"]
-        threading.Timer(0.3, src.release.set).start()
+        threading.Timer(0.3, src.let_go.set).start()
         with wc.attach(_sock(sockdir), wait=10.0) as att:
             assert att["w"].sum().item() == 512 * 1.0 + 512 * 2.0
         st = daemon.status()
         assert st.load_bytes_per_second == pytest.approx(4096 / st.load_seconds)
     finally:
-        src.release.set()
+        src.let_go.set()
         loader.join()
         daemon.close()
 
@@ -445,14 +446,14 @@ def test_failed_load_is_reported_to_engines(sockdir):
 
 
 class PreparedBrokenSource(BrokenSource):
-    """A source that stages (prepare_fill) and fails: what it prepared must go."""
+    """A source that stages (prepare) and fails: what it prepared must go."""
 
     prepared = released = 0
 
-    def prepare_fill(self):
+    def prepare(self):
         self.prepared += 1
 
-    def release_prepared(self):
+    def release(self):
         self.released += 1
 
 

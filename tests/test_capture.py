@@ -13,7 +13,8 @@ import weightcache as wc
 from conftest import DEVICES
 from procs import bits, sample_tensors
 from weightcache.key import CacheKey
-from weightcache.manifest import capture_block_bytes, plan_for_tensors, release_storage
+from weightcache.manifest import capture_block_bytes
+from weightcache.packing import plan_for_tensors, release_storage
 
 KEY = CacheKey(model="sample", content_digest="d0")
 HERE = os.path.dirname(__file__)

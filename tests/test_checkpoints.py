@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from weightcache.checkpoints import (
+from weightcache.testing.checkpoints import (
     estimate_llama_bytes,
     llama_config_for_bytes,
     llama_param_shapes,
@@ -175,7 +175,7 @@ def test_moe_checkpoint_written_directly_loads_like_a_saved_one(tmp_path):
     """The benchmark's MoE checkpoints are written shard by shard; transformers loads them (experts fused)."""
     from transformers import AutoModelForCausalLM
 
-    from weightcache.checkpoints import make_moe_checkpoint
+    from weightcache.testing.checkpoints import make_moe_checkpoint
 
     direct = make_moe_checkpoint(tmp_path / "d", "qwen3_moe", direct=True, max_shard_bytes=200_000)
     saved = make_moe_checkpoint(tmp_path / "s", "qwen3_moe")

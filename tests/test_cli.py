@@ -15,18 +15,17 @@ import pytest
 import torch
 
 from weightcache import publish
-from weightcache.cli import (
+from weightcache.cli import UsageError, build_parser, main
+from weightcache.key import CacheKey
+from weightcache.preload.frontend import (
     LoopbackLayout,
-    UsageError,
     add_preload_arguments,
-    build_parser,
     layouts_from_args,
-    main,
     resolve_ports,
 )
-from weightcache.key import CacheKey
-from weightcache.layout import Layout
-from weightcache.status_table import collect, format_table, human_bytes, human_duration
+from weightcache.preload.layout import Layout
+from weightcache.progress import human_bytes, human_duration
+from weightcache.status_table import collect, format_table
 
 
 def parse(*argv):
@@ -177,13 +176,13 @@ def test_cuda_refused_without_cuda(model_dir, capsys):
 
 def test_engine_vllm_and_demo_dispatch(monkeypatch):
     seen = {}
-    vllm_preload = types.ModuleType("weightcache.vllm_preload")
+    vllm_preload = types.ModuleType("weightcache.preload.vllm_frontend")
     vllm_preload.main = lambda argv: seen.setdefault("vllm", argv) and 7
     demo = types.ModuleType("weightcache.demo")
     demo.main = lambda argv: seen.setdefault("demo", argv) and 0
     import weightcache
 
-    monkeypatch.setitem(sys.modules, "weightcache.vllm_preload", vllm_preload)
+    monkeypatch.setitem(sys.modules, "weightcache.preload.vllm_frontend", vllm_preload)
     monkeypatch.setattr(weightcache, "vllm_preload", vllm_preload, raising=False)
     monkeypatch.setitem(sys.modules, "weightcache.demo", demo)
     monkeypatch.setattr(weightcache, "demo", demo, raising=False)
@@ -286,7 +285,7 @@ def llama_dir(model_dir):
     (4, "tensor parallel size 4 is larger than the model's 2 key/value heads;"),
 ])
 def test_tp_size_that_does_not_split_the_model_is_refused(tp, msg, llama_dir, tmp_path, capsys, monkeypatch):
-    import weightcache.supervisor as sup
+    import weightcache.preload.supervisor as sup
 
     monkeypatch.setattr(sup.Supervisor, "run", lambda self: pytest.fail("a daemon was about to start"))
     code, err = preload(llama_dir, "-tp", tp, "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s",
@@ -301,7 +300,7 @@ def test_config_json_that_is_not_an_object_is_one_line(config, model_dir, tmp_pa
     code, err = preload(model_dir, "--device", "cpu", "--weight-cache-socket-dir", tmp_path / "s", capsys=capsys)
     assert code == 2 and "config.json: not a model config" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
-    from weightcache.engines.transformers import key_for_checkpoint
+    from weightcache.integrations.transformers.engine import key_for_checkpoint
 
     with pytest.raises(ValueError, match="not a model config"):
         key_for_checkpoint(model_dir)

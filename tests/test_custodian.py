@@ -19,16 +19,12 @@ import weightcache as wc
 from conftest import DEVICES
 from procs import bits, block_digests, memfd_inodes, sample_tensors, start_held_daemon
 from weightcache import wire
-from weightcache.custodian import (
-    CustodianClient,
-    CustodianError,
-    Holding,
-    launch,
-    socket_path_in,
-)
+from weightcache.custodian.client import CustodianClient, launch
+from weightcache.custodian.messages import CustodianError, Holding
 from weightcache.daemon import Daemon
 from weightcache.errors import PermissionDenied, ProtocolError, WeightCacheError
 from weightcache.key import CacheKey
+from weightcache.sockets import custodian_socket_path
 
 KEY = CacheKey(model="sample", content_digest="d0")
 
@@ -225,7 +221,7 @@ def test_custodian_exits_when_nothing_is_held_and_no_one_is_connected(sockdir):
     again.close()
     client.close()
     wait_for(lambda: gone(client.pid), what="the idle custodian to exit")
-    assert not socket_path_in(sockdir).exists()
+    assert not custodian_socket_path(sockdir).exists()
 
 
 def test_custodian_exits_and_releases_when_its_socket_is_removed(sockdir):
@@ -235,7 +231,7 @@ def test_custodian_exits_and_releases_when_its_socket_is_removed(sockdir):
     held_daemon(_sock(sockdir), KEY, client).close()
     ours = memfd_inodes() - base
     assert ours
-    os.unlink(socket_path_in(sockdir))  # e.g. its directory was cleaned up: no one can reach it
+    os.unlink(custodian_socket_path(sockdir))  # e.g. its directory was cleaned up: no one can reach it
     wait_for(lambda: gone(client.pid), what="the unreachable custodian to exit")
     client.close()
     assert not ours & memfd_inodes()
@@ -244,25 +240,25 @@ def test_custodian_exits_and_releases_when_its_socket_is_removed(sockdir):
 def _raw(sockdir) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
-    s.connect(str(socket_path_in(sockdir)))
+    s.connect(str(custodian_socket_path(sockdir)))
     return s
 
 
 def _recv(s):
-    from weightcache.custodian import _decoder
+    from weightcache.custodian.messages import _decoder
 
     return wire.recv_msg(s, deadline=time.monotonic() + 5, decoder=_decoder)
 
 
 def test_bad_input_gets_a_one_line_error_and_loses_nothing(sockdir, custodian):
-    from weightcache.custodian import Hello
+    from weightcache.custodian.messages import Hello
 
     held_daemon(_sock(sockdir), KEY, custodian).close()
 
     with pytest.raises(ProtocolError, match="custodian protocol 99 is not supported"):
         s = _raw(sockdir)
         wire.send_msg(s, Hello(protocol=99))
-        CustodianClient._recv(s, socket_path_in(sockdir), 5)
+        CustodianClient._recv(s, custodian_socket_path(sockdir), 5)
     s = _raw(sockdir)  # a frame of garbage instead of a hello
     s.sendall(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
     reply = _recv(s)
@@ -300,7 +296,7 @@ def _fields(s) -> dict:
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch uid")
 def test_another_uid_is_refused(sockdir, custodian):
     os.chmod(sockdir, 0o755)
-    os.chmod(socket_path_in(sockdir), 0o666)  # let it connect: the custodian itself must refuse it
+    os.chmod(custodian_socket_path(sockdir), 0o666)  # let it connect: the custodian itself must refuse it
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -330,7 +326,7 @@ def test_a_missing_custodian_is_a_clear_error(sockdir, capsys):
         CustodianClient.connect(sockdir)
     assert main(["release", "--socket-dir", str(sockdir)]) == 0
     assert "nothing is held" in capsys.readouterr().out
-    d = Daemon(_sock(sockdir), KEY, custodian=socket_path_in(sockdir))
+    d = Daemon(_sock(sockdir), KEY, custodian=custodian_socket_path(sockdir))
     d.start()
     assert not d.adopt()  # no custodian: load as before, with a warning
     d.load_tensors({"w": torch.ones(1)})
@@ -381,7 +377,7 @@ def test_a_sealed_memfd_is_handed_over_and_served(sockdir, custodian):
 
     import msgspec
 
-    from weightcache.manifest import plan_for_tensors
+    from weightcache.packing import plan_for_tensors
 
     payload = torch.arange(1024, dtype=torch.int32)
     manifest, _ = plan_for_tensors({"w": payload})

@@ -9,9 +9,9 @@ from torch import nn
 
 import weightcache as wc
 from conftest import DEVICES
-from weightcache.engines.torch import BindError, init_empty, load_into
+from weightcache.integrations.torch import BindError, init_empty, load_into
 from weightcache.key import CacheKey
-from weightcache.naming import socket_name
+from weightcache.sockets import socket_name
 
 KEY = CacheKey(model="tiny", content_digest="d1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_bad_sources(tmp_path):
     with pytest.raises(wc.DaemonUnavailable, match="no weight cache daemon socket"):
         load_into(_meta(), tmp_path)
     with pytest.raises(TypeError, match="nn.Module"):
-        from weightcache.engines.torch import bind
+        from weightcache.integrations.torch import bind
 
         bind(object(), {})
 

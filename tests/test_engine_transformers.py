@@ -16,22 +16,18 @@ from transformers import AutoModelForCausalLM
 
 import weightcache as wc
 import weightcache.transformers as wct
-from weightcache.checkpoints import (
-    FAMILIES,
-    make_checkpoint,
-    make_compressed_fp8_checkpoint,
-    make_fp8_checkpoint,
-    make_llama_checkpoint,
-)
 from weightcache.daemon import Daemon
-from weightcache.engines.torch import BindError
-from weightcache.key import checkpoint_digest, config_digest, dtype_name
-from weightcache.layout import Placement
-from weightcache.model_state import parity, python_state, reachable_tensors
-from weightcache.naming import device_tag, socket_path
+from weightcache.digests import checkpoint_digest, config_digest
+from weightcache.dtypes import dtype_name
+from weightcache.integrations.model_state import parity, python_state, reachable_tensors
+from weightcache.integrations.torch import BindError
+from weightcache.integrations.transformers.compat import META_NAME, RULES, UnsupportedModel
+from weightcache.integrations.transformers.producer import TransformersSource, build_model, capture
+from weightcache.preload.layout import Placement
+from weightcache.sockets import device_tag, socket_path
 from weightcache.sources.safetensors import SafetensorsSource
-from weightcache.sources.transformers import TransformersSource, build_model, capture
-from weightcache.transformers_compat import META_NAME, RULES, UnsupportedModel
+from weightcache.testing.checkpoints import FAMILIES, make_checkpoint, make_llama_checkpoint
+from weightcache.testing.quantized import make_compressed_fp8_checkpoint, make_fp8_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[1, 17, 42, 99, 7, 250]]
@@ -607,8 +603,8 @@ dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method="tcp:
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 import weightcache.transformers as wct
-from weightcache.model_state import parity, reachable_tensors
-from weightcache.transformers_compat import RULES
+from weightcache.integrations.model_state import parity, reachable_tensors
+from weightcache.integrations.transformers.compat import RULES
 ep = {ep!r}
 m = wct.from_pretrained({ckpt!r}, device=device, socket_dir={sockdir!r}, fallback=False,
                         layout="dp1-pp1-tp2" + ("-ep2" if ep else ""), rank=rank)

@@ -4,6 +4,7 @@ CPU and checks every registration (page-aligned, disjoint, unregistered at the e
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import mmap
@@ -17,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache.key import parse_dtype
-from weightcache.sources import cuda_fill
-from weightcache.sources.filemap import FileMap, drop_from_page_cache, resident_fraction, wait_unmapped
-from weightcache.sources.read_plan import PAGE, Piece, order_segments, plan_segments
-from weightcache.sources.reading import CheckpointError, read_into
+from weightcache.dtypes import parse_dtype
+from weightcache.reader import cuda_fill
+from weightcache.reader.filemap import FileMap, drop_from_page_cache, resident_fraction, wait_unmapped
+from weightcache.reader.read_plan import PAGE, Piece, order_segments, plan_segments
+from weightcache.reader.reading import CheckpointError, read_into
 from weightcache.sources.safetensors import SafetensorsSource
 
 # -- planning ---------------------------------------------------------------------------------------------
@@ -178,7 +179,8 @@ def test_cpu_fill_segments_match_slices(ckpt, order, threads):
 
 def arena_views(src):
     from weightcache.arena.host import HostBlock
-    from weightcache.manifest import build_views, plan_for_metas
+    from weightcache.manifest import plan_for_metas
+    from weightcache.packing import build_views
 
     manifest = plan_for_metas(src.describe())
     blocks = [HostBlock(b.nbytes) for b in manifest.blocks]
@@ -206,7 +208,7 @@ def test_cpu_fill_into_memfd_arena_sends_file_pages(ckpt, monkeypatch, refuse):
     assert all(torch.equal(views[n], want[n]) for n in want)
     contiguous = sum(p.nbytes for p in src.plan_reads(views)[0])  # slices (last-dim splits) are copied
     if refuse:  # each fill thread may meet the refusal once before the source stops trying
-        assert 1 <= len(calls) <= max(1, src.threads)
+        assert 1 <= len(calls) <= max(1, src.read.threads)
     else:
         assert sum(a[3] for a in calls) == contiguous
     assert src._sendfile_ok is not refuse
@@ -230,8 +232,8 @@ def test_cpu_fill_into_arena_truncated(ckpt, tmp_path):
 
 def test_io_from_environment(ckpt, monkeypatch):
     monkeypatch.setenv("WEIGHTCACHE_LOAD_IO", "mmap")
-    assert SafetensorsSource(ckpt, progress=False).io == "mmap"
-    assert SafetensorsSource(ckpt, io="staged", progress=False).io == "staged"
+    assert SafetensorsSource(ckpt, progress=False).read.io == "mmap"
+    assert SafetensorsSource(ckpt, io="staged", progress=False).read.io == "staged"
     with pytest.raises(ValueError, match="stage_read must be one of"):
         SafetensorsSource(ckpt, stage_read="mmap", progress=False)
     with pytest.raises(ValueError, match="windows must be a positive int"):
@@ -249,8 +251,8 @@ def test_auto_reads_with_instanttensor_only_where_it_wins(ckpt, monkeypatch, cas
     """auto into CUDA memory, where InstantTensor is preferred: it reads for one rank with every file on
     tmpfs, the plain path otherwise (on a disk's page cache InstantTensor reads with O_DIRECT). Where it is
     not preferred (measured slower than the pipeline), the plain path always."""
-    from weightcache.sources import filemap
-    from weightcache.sources import instanttensor as it_reader
+    from weightcache.reader import filemap
+    from weightcache.reader import instanttensor as it_reader
     from weightcache.sources import safetensors as st
 
     monkeypatch.setattr(st, "AUTO_INSTANTTENSOR", prefer)
@@ -265,7 +267,7 @@ def test_auto_reads_with_instanttensor_only_where_it_wins(ckpt, monkeypatch, cas
 
 
 def test_auto_without_instanttensor_when_a_tensor_is_in_two_files(ckpt, monkeypatch):
-    from weightcache.sources import instanttensor as it_reader
+    from weightcache.reader import instanttensor as it_reader
     from weightcache.sources import safetensors as st
 
     monkeypatch.setattr(st, "AUTO_INSTANTTENSOR", True)
@@ -277,7 +279,7 @@ def test_auto_without_instanttensor_when_a_tensor_is_in_two_files(ckpt, monkeypa
 
 @pytest.mark.parametrize("chosen_by_auto", [True, False])
 def test_instanttensor_failure_falls_back_only_under_auto(ckpt, monkeypatch, caplog, chosen_by_auto):
-    from weightcache.sources import instanttensor as it_reader
+    from weightcache.reader import instanttensor as it_reader
 
     def half_then_fail(src, views, report):
         report(src.nbytes // 2)
@@ -422,7 +424,7 @@ def fake_cuda(monkeypatch):
             drv.pinned[t.data_ptr()] = max(n, 1)
         return t
 
-    monkeypatch.setattr(cuda_fill, "_driver", lambda: (drv, SimpleNamespace(device_context=lambda i: contextlib.nullcontext())))
+    monkeypatch.setattr(cuda_fill.staging, "driver", lambda: (drv, SimpleNamespace(device_context=lambda i: contextlib.nullcontext())))
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -435,13 +437,18 @@ def fake_cuda(monkeypatch):
     assert drv.live == {}, "page-locked memory left registered"
 
 
+def cuda_fill_of(src, views, report):
+    """The CUDA fill a source's fill would run: its read plan, its settings, the windows it prepared."""
+    return cuda_fill.CudaFill(src.read_plan(views), src.read, views, report, device=torch.device("cuda", 0),
+                              prepared=src.take_prepared())
+
+
 def cuda_fill_run(ckpt, r, dtype=None, **kw):
     kw.setdefault("hugepages", False)  # registrations counted below are the file's own
     src = SafetensorsSource(ckpt, tp_rank=r, tp_size=2, tp_plan=PLAN, dtype=dtype, progress=False, **kw)
     views = views_for(src)
-    pieces, slices = src.plan_reads(views)
     got = []
-    fill = cuda_fill.CudaFill(src, views, pieces, slices, got.append, device=torch.device("cuda", 0))
+    fill = cuda_fill_of(src, views, got.append)
     fill.run()
     wait_unmapped()  # staging areas are released on a thread of their own
     assert sum(got) == src.nbytes
@@ -464,7 +471,7 @@ def test_cuda_fill_modes(ckpt, fake_cuda, io, kw):
         modes = set(fill.modes.values())
         assert modes == {cuda_fill.WARM_IO if io == "auto" else io} or (io == "direct" and modes == {"staged"})
         piped = {f for f in fill.modes if fill._pipelined(f)}
-        assert bool(piped) == (fill.src.stage_read in ("pipeline", "native") and "staged" in modes)
+        assert bool(piped) == (fill.settings.stage_read in ("pipeline", "native") and "staged" in modes)
     assert fake_cuda.live == {}  # every registration released
     assert (fake_cuda.registrations > 0) == (io == "register" or (io == "auto" and cuda_fill.WARM_IO == "register"))
 
@@ -484,7 +491,7 @@ def test_cuda_fill_dtype_cast_and_cold_auto(ckpt, fake_cuda, monkeypatch):
 
 def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
     fake_cuda.refuse = True
-    with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
+    with caplog.at_level(logging.WARNING, logger="weightcache.reader.cuda_fill"):
         fill = cuda_fill_run(ckpt, 0, io="register", threads=2, chunk_bytes=2 * PAGE, register_bytes=8 * PAGE)
     assert set(fill.modes.values()) == {"staged"} and fake_cuda.registrations == 0
     assert any("cannot register" in r.getMessage() and "CUDA_ERROR_NOT_SUPPORTED" in r.getMessage()
@@ -493,8 +500,8 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
 
 def test_cuda_fill_native_unavailable_copies_with_torch(ckpt, fake_cuda, monkeypatch, caplog):
     monkeypatch.setattr(cuda_fill.native_fill, "library", lambda: (None, "no C compiler"))
-    cuda_fill._native_unavailable.cache_clear()  # said once per process
-    with caplog.at_level(logging.WARNING, logger="weightcache.sources.cuda_fill"):
+    cuda_fill.staging.native_unavailable.cache_clear()  # said once per process
+    with caplog.at_level(logging.WARNING, logger="weightcache.reader.cuda_fill"):
         fill = cuda_fill_run(ckpt, 0, io="staged", stage_read="native", window_bytes=2 * PAGE)
     assert set(fill.modes.values()) == {"staged"}
     assert any("native fill loop cannot be built (no C compiler)" in r.getMessage() for r in caplog.records)
@@ -525,10 +532,9 @@ def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path,
     src = SafetensorsSource(d, tp_rank=0, tp_size=2, tp_plan=PLAN, io="staged", chunk_bytes=2 * PAGE,
                             window_bytes=2 * PAGE, stage_read=stage_read, progress=False)
     views = views_for(src)
-    pieces, slices = src.plan_reads(views)
     os.truncate(d / "b.safetensors", 3 * PAGE)
     with pytest.raises(CheckpointError, match="b.safetensors"):
-        cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+        cuda_fill_of(src, views, lambda n: None).run()
     assert fake_cuda.live == {}
 
 
@@ -562,10 +568,9 @@ def test_prepared_windows_are_the_ones_the_fill_uses(ckpt, fake_cuda, monkeypatc
     monkeypatch.setattr(cuda_fill.native_fill, "run", lambda plan, base, *a, **k: (seen.append(base),
                                                                                      real_run(plan, base, *a, **k)))
     src = _native_source(ckpt)
-    src.prepare_fill()
+    src.prepare()
     views = views_for(src)
-    pieces, slices = src.plan_reads(views)
-    cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    cuda_fill_of(src, views, lambda n: None).run()
     wait_unmapped()
     assert len(made) == 1 and seen == made and closed == made  # made once, before the fill; freed after
     want = reference(ckpt, 0, 2, None)
@@ -576,14 +581,13 @@ def test_prepared_windows_are_the_ones_the_fill_uses(ckpt, fake_cuda, monkeypatc
 def test_windows_prepared_for_another_loop_are_freed(ckpt, fake_cuda, monkeypatch, change):
     made, closed = _count_windows(monkeypatch)
     src = _native_source(ckpt)
-    src.prepare_fill()
+    src.prepare()
     if change == "windows":
-        src.windows = 3  # the fill makes its own
+        src.read = dataclasses.replace(src.read, windows=3)  # the fill makes its own
     else:
-        src.stage_read = "pipeline"  # no native loop reads
+        src.read = dataclasses.replace(src.read, stage_read="pipeline")  # no native loop reads
     views = views_for(src)
-    pieces, slices = src.plan_reads(views)
-    cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+    cuda_fill_of(src, views, lambda n: None).run()
     wait_unmapped()
     assert len(made) == (2 if change == "windows" else 1) and sorted(closed) == sorted(made)
     assert src.take_prepared() is None
@@ -592,12 +596,12 @@ def test_windows_prepared_for_another_loop_are_freed(ckpt, fake_cuda, monkeypatc
 def test_windows_prepared_and_not_filled_are_freed(ckpt, fake_cuda, monkeypatch):
     made, closed = _count_windows(monkeypatch)
     src = _native_source(ckpt)
-    src.prepare_fill()
-    src.prepare_fill()  # once is enough
-    src.release_prepared()
+    src.prepare()
+    src.prepare()  # once is enough
+    src.release()
     wait_unmapped()
     assert len(made) == 1 and closed == made
-    src.prepare_fill()
+    src.prepare()
     with pytest.raises(CheckpointError, match="no destination view"):
         src.fill({})  # a fill that fails before it reads frees them too
     wait_unmapped()
@@ -606,13 +610,13 @@ def test_windows_prepared_and_not_filled_are_freed(ckpt, fake_cuda, monkeypatch)
 
 def test_prepare_fill_makes_nothing_for_cpu_sources_or_other_readers(ckpt, fake_cuda, monkeypatch):
     made, _ = _count_windows(monkeypatch)
-    SafetensorsSource(ckpt, io="staged", stage_read="native", progress=False).prepare_fill()  # a CPU source
+    SafetensorsSource(ckpt, io="staged", stage_read="native", progress=False).prepare()  # a CPU source
     for kw in (dict(stage_read="pipeline"), dict(stage_read="preadv")):
         s = SafetensorsSource(ckpt, io="staged", device="cuda:0", progress=False, **kw)
-        s.prepare_fill()
+        s.prepare()
         assert s.take_prepared() is None
     s = SafetensorsSource(ckpt, io="direct", stage_read="native", device="cuda:0", progress=False)
-    s.prepare_fill()
+    s.prepare()
     assert s.take_prepared() is None and made == []
 
 
@@ -624,23 +628,22 @@ def test_windows_that_cannot_be_made_are_one_clear_error(ckpt, fake_cuda, monkey
     monkeypatch.setattr(cuda_fill.native_fill, "Windows", refuse)
     src = _native_source(ckpt)
     if prepared:
-        src.prepare_fill()
+        src.prepare()
     views = views_for(src)
-    pieces, slices = src.plan_reads(views)
     with pytest.raises(CheckpointError, match=r"cannot make the fill's 16 KiB of page-locked staging windows: "
                                               r"out of memory"):
-        cuda_fill.CudaFill(src, views, pieces, slices, lambda n: None, device=torch.device("cuda", 0)).run()
+        cuda_fill_of(src, views, lambda n: None).run()
     assert src.take_prepared() is None
 
 
 def test_native_threads_leave_cores_unless_given(tmp_path, monkeypatch):
-    from weightcache.checkpoints import make_llama_checkpoint
     from weightcache.sources.safetensors import SafetensorsSource
+    from weightcache.testing.checkpoints import make_llama_checkpoint
 
     ckpt = make_llama_checkpoint(tmp_path / "m", num_layers=1, hidden_size=64, intermediate_size=128, num_heads=4,
                                  num_kv_heads=2, vocab_size=512)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert SafetensorsSource(ckpt, progress=False).native_threads == 12
+    assert SafetensorsSource(ckpt, progress=False).read.native_threads == 12
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert SafetensorsSource(ckpt, progress=False).native_threads == 1
-    assert SafetensorsSource(ckpt, threads=3, progress=False).native_threads == 3
+    assert SafetensorsSource(ckpt, progress=False).read.native_threads == 1
+    assert SafetensorsSource(ckpt, threads=3, progress=False).read.native_threads == 3

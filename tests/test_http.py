@@ -12,8 +12,8 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightcache.http import DaemonEntry, HealthServer, build_app, healthy, render_metrics
 from weightcache.key import CacheKey
+from weightcache.preload.http import DaemonEntry, HealthServer, build_app, healthy, render_metrics
 from weightcache.wire import ATTACH_BUCKETS, DaemonStatus
 
 

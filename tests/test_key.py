@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache import key as wkey
-from weightcache.key import CacheKey, checkpoint_digest, diff
+from weightcache import digests as wkey
+from weightcache.digests import checkpoint_digest
+from weightcache.key import CacheKey, diff
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +84,7 @@ def test_files_are_hashed_in_parallel_and_in_order(tmp_path, monkeypatch, caplog
 
     monkeypatch.setattr(wkey, "_sha256_file", hash_together)
     monkeypatch.setattr(wkey, "_LOG_HASHING_FROM", 0)
-    with caplog.at_level(logging.INFO, logger="weightcache.key"):
+    with caplog.at_level(logging.INFO, logger="weightcache.digests"):
         got = wkey.file_digests(paths)
     assert got == ["sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
     assert "hashing 0.0 GB in 4 checkpoint file(s)" in caplog.text and "GB/s" in caplog.text

@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from weightcache.errors import LayoutError
-from weightcache.layout import Layout, is_loopback
+from weightcache.preload.layout import Layout, is_loopback
 
 
 def formula(dp_rank, pp_rank, tp_rank, pp, tp):

@@ -115,7 +115,7 @@ def test_status_and_waiting_attach_get_through_a_flood_of_pingers(sockdir):
                     idle_timeout=60.0) as daemon:
         flood = [_pinger(_sock(sockdir), stop) for _ in range(8)]
         try:
-            assert _eventually(lambda: len(daemon._connections) == 8)
+            assert _eventually(lambda: daemon.server.connections == 8)
             st = wc.query_status(_sock(sockdir))  # the reserve keeps status working
             assert st.state == "ready"
             with pytest.raises(wc.DaemonBusy, match="busy"):
@@ -142,8 +142,8 @@ def test_pings_do_not_keep_a_connection_open(sockdir):
     with wc.publish({"w": torch.ones(3)}, _sock(sockdir), KEY, idle_timeout=0.5) as daemon:
         s = _pinger(_sock(sockdir), stop)
         try:
-            assert _eventually(lambda: len(daemon._connections) == 1)
-            assert _eventually(lambda: len(daemon._connections) == 0, timeout=5.0)  # dropped despite its pings
+            assert _eventually(lambda: daemon.server.connections == 1)
+            assert _eventually(lambda: daemon.server.connections == 0, timeout=5.0)  # dropped despite its pings
         finally:
             stop.set()
             s.close()

@@ -8,12 +8,10 @@ from weightcache.manifest import (
     StorageSpec,
     TensorMeta,
     TensorSpec,
-    build_views,
     plan_for_metas,
-    plan_for_tensors,
-    storage_bytes,
     validate,
 )
+from weightcache.packing import build_views, plan_for_tensors, storage_bytes
 
 
 def pack(tensors, block_bytes=1 << 20):

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from weightcache.sources import native_fill
+from weightcache.reader import native_fill
 
 lib, why = native_fill.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"native fill loop unavailable: {why}")
@@ -143,7 +143,7 @@ def test_windows_are_aligned_writable_and_freed_once(threads):
 @pytest.mark.parametrize("nbytes", [16 << 10, (6 << 20) + (12 << 10)])
 @pytest.mark.parametrize("threads", [0, 1, 3, 100])
 def test_windows_are_faulted_in_before_use(nbytes, threads):
-    from weightcache.sources.filemap import PAGE, _libc
+    from weightcache.reader.filemap import PAGE, _libc
 
     w = native_fill.Windows(nbytes, lock=False, threads=threads)
     try:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from weightcache.rendezvous import Rendezvous, RendezvousError, stamp_diff
+from weightcache.preload.rendezvous import Rendezvous, RendezvousError, stamp_diff
 
 STAMP = {"model": "tiny", "content_digest": "sha256:aa", "dtype": "float32", "layout": "dp1-pp1-tp2"}
 

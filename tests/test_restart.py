@@ -17,7 +17,7 @@ from conftest import DEVICES
 from procs import block_digests, memfd_inodes
 from test_supervisor import SMALL, Preload, free_port, gone, stop_custodian
 from vllm_runner import OpenWatch
-from weightcache.checkpoints import make_llama_checkpoint
+from weightcache.testing.checkpoints import make_llama_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def test_ten_daemon_kills_while_an_engine_keeps_serving(ckpt, env, tmp_path, pre
 def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, env, tmp_path, preloads, device,
                                                                        capsys):
     from weightcache.cli import main
-    from weightcache.custodian import CustodianClient
+    from weightcache.custodian.client import CustodianClient
 
     sdir = tmp_path / "s"
     n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
@@ -194,9 +194,9 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
 
 
 def test_a_rank_that_cannot_load_alone_is_not_replaced_by_a_lone_load(ckpt, tmp_path, monkeypatch, capsys):
-    from weightcache.cli import checkpoint_source
-    from weightcache.layout import Layout
-    from weightcache.supervisor import Group, Supervisor
+    from weightcache.preload.frontend import checkpoint_source
+    from weightcache.preload.layout import Layout
+    from weightcache.preload.supervisor import Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
@@ -220,9 +220,9 @@ def test_a_rank_whose_checkpoint_changed_is_not_replaced(tmp_path, monkeypatch, 
     """Never serve a stale key: after READY, a replacement must build the key its rank agreed on."""
     import shutil
 
-    from weightcache.cli import checkpoint_source
-    from weightcache.layout import Layout
-    from weightcache.supervisor import EXIT_KEY_CHANGED, Group, Supervisor
+    from weightcache.preload.frontend import checkpoint_source
+    from weightcache.preload.layout import Layout
+    from weightcache.preload.supervisor import EXIT_KEY_CHANGED, Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tmp_path / "m"
@@ -235,7 +235,7 @@ def test_a_rank_whose_checkpoint_changed_is_not_replaced(tmp_path, monkeypatch, 
         make_llama_checkpoint(model, seed=5, **SMALL)  # new weights under the same path
         os.kill(child.proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        with caplog.at_level(logging.ERROR, logger="weightcache.supervisor"):
+        with caplog.at_level(logging.ERROR, logger="weightcache.preload.supervisor"):
             while "is not replaced: its weights changed on disk" not in caplog.text:
                 assert time.monotonic() < deadline, caplog.text
                 assert sup.hold_once() is None or sup.children[0].proc.exitcode == EXIT_KEY_CHANGED

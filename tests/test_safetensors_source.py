@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightcache.checkpoints import make_llama_checkpoint
-from weightcache.key import parse_dtype
+from weightcache.dtypes import parse_dtype
 from weightcache.sources import Source
 from weightcache.sources.safetensors import CheckpointError, SafetensorsSource
 from weightcache.sources.tp_plan import ShardSpec, TPPlan, TPPlanError, spec_for_style
+from weightcache.testing.checkpoints import make_llama_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -406,7 +406,8 @@ def test_progress_log_lines_without_tty(llama, caplog):
 
 
 def test_key_fields(llama):
-    from weightcache.key import CacheKey, checkpoint_digest
+    from weightcache.digests import checkpoint_digest
+    from weightcache.key import CacheKey
 
     f = SafetensorsSource(llama, progress=False).key_fields()
     assert f == {"model": str(llama.resolve()), "content_digest": checkpoint_digest(llama), "dtype": "float32"}

@@ -19,10 +19,11 @@ import httpx
 import psutil
 import pytest
 
-from weightcache.checkpoints import make_llama_checkpoint
 from weightcache.errors import ArenaOutOfMemory
-from weightcache.layout import Layout
 from weightcache.manifest import TensorMeta
+from weightcache.preload.layout import Layout
+from weightcache.sources import FillSource
+from weightcache.testing.checkpoints import make_llama_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,7 @@ class Preload:
 
 def stop_custodian(socket_dir) -> None:
     """Stop the custodian a test's preload left holding caches (it outlives the preload by design)."""
-    from weightcache.custodian import CustodianClient
+    from weightcache.custodian.client import CustodianClient
     from weightcache.errors import WeightCacheError
 
     try:
@@ -252,7 +253,7 @@ def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_
     p.wait()
     assert gone(all_pids) == [], "daemons must die with their supervisor"
     assert sockets(sdir) == [], "daemons remove their sockets when their supervisor dies"
-    from weightcache.custodian import CustodianClient
+    from weightcache.custodian.client import CustodianClient
 
     client = CustodianClient.connect(sdir)  # ...and the custodian keeps their weights for the next preload
     assert sorted(h.role for h in client.holdings().holdings) == ["draft", "main"]
@@ -302,7 +303,7 @@ def test_missing_tensor_fails_clearly(ckpts, env, tmp_path, preloads):
 
 # --- a rank that runs out of memory: its source asks for more than the host has ---
 
-class _Oversized:
+class _Oversized(FillSource):
     def __init__(self, inner):
         self.inner = inner
 
@@ -317,14 +318,14 @@ class _Oversized:
 
 
 def oversized_on(placement, *, oom_rank: int, **kw):
-    from weightcache.cli import checkpoint_source
+    from weightcache.preload.frontend import checkpoint_source
 
     src = checkpoint_source(placement, **kw)
     return _Oversized(src) if placement.rank == oom_rank else src
 
 
 def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplog):
-    from weightcache.supervisor import EXIT_OOM, Group, Supervisor
+    from weightcache.preload.supervisor import EXIT_OOM, Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
@@ -332,7 +333,7 @@ def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplo
                   source_args={"path": str(ckpts["a"]), "oom_rank": 1})
     sup = Supervisor([group], socket_dir=sdir)
     t0 = time.monotonic()
-    with caplog.at_level("ERROR", logger="weightcache.supervisor"):
+    with caplog.at_level("ERROR", logger="weightcache.preload.supervisor"):
         code = sup.run()
     assert code == EXIT_OOM
     msg = caplog.text
@@ -386,8 +387,8 @@ def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads)
 
 
 def test_supervisor_stops_when_every_daemon_is_gone(ckpts, tmp_path, monkeypatch, capsys):
-    from weightcache.cli import checkpoint_source
-    from weightcache.supervisor import Group, Supervisor
+    from weightcache.preload.frontend import checkpoint_source
+    from weightcache.preload.supervisor import Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
@@ -425,7 +426,7 @@ def test_a_node_waiting_for_node_0_stops_promptly(ckpts, env, tmp_path, preloads
 def test_preload_on_cuda_serves_the_transformers_engine(ckpts, env, tmp_path, preloads):
     import torch
 
-    from weightcache.engines import transformers as wct
+    from weightcache.integrations.transformers import engine as wct
 
     sdir = tmp_path / "s"
     p = Preload([ckpts["a"], "--device", "cuda", "--weight-cache-socket-dir", sdir], env, tmp_path)

@@ -33,9 +33,9 @@ from vllm_harness import (  # noqa: E402
     tail,
     weight_files_opened,
 )
-from weightcache.checkpoints import make_llama_checkpoint, make_moe_checkpoint  # noqa: E402
-from weightcache.client import query_status  # noqa: E402
-from weightcache.engines.vllm_loader import parity  # noqa: E402
+from weightcache.client import query_status
+from weightcache.integrations.vllm.loader import parity
+from weightcache.testing.checkpoints import make_llama_checkpoint, make_moe_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -163,7 +163,7 @@ def test_engine_waits_while_the_daemon_loads(work, daemons, disk):
     a second copy from disk, and attaches once the daemon is ready."""
     from weightcache import attach
     from weightcache.daemon import Daemon
-    from weightcache.naming import socket_path
+    from weightcache.sockets import socket_path
 
     with attach(daemons.sockets("main")[0], mode="copy") as att:  # the weights, to publish again later
         tensors, roles, key = dict(att.tensors), dict(att.roles), att.key

@@ -34,9 +34,9 @@ from vllm_harness import (  # noqa: E402
     sockdir,
     weight_files_opened,
 )
-from weightcache.checkpoints import make_llama_checkpoint, make_moe_checkpoint  # noqa: E402
-from weightcache.client import query_status  # noqa: E402
-from weightcache.engines.vllm_loader import parity  # noqa: E402
+from weightcache.client import query_status
+from weightcache.integrations.model_state import parity
+from weightcache.testing.checkpoints import make_llama_checkpoint, make_moe_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
@@ -143,7 +143,7 @@ def _kv_tokens_logged(res: dict) -> int:
 def test_kv_cache_capacity_is_the_disk_loads(work):
     """At the same --gpu-memory-utilization the attaching engine gets the disk load's KV cache: the daemon's
     bytes are charged once (not ignored: the KV cache would grow by the weights; not twice: it would shrink)."""
-    from weightcache.checkpoints import llama_config_for_bytes
+    from weightcache.testing.checkpoints import llama_config_for_bytes
 
     shape = llama_config_for_bytes(4 << 30, torch.bfloat16)
     model = str(make_llama_checkpoint(work["root"] / "kv4g", dtype=torch.bfloat16, **shape))

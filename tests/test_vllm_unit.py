@@ -14,12 +14,14 @@ from torch import nn
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from weightcache import attach, publish  # noqa: E402
-from weightcache.engines import vllm_loader  # noqa: E402
-from weightcache.engines.vllm_loader import Options, bind_tensors, parity  # noqa: E402
-from weightcache.errors import WeightCacheError  # noqa: E402
-from weightcache.key import CacheKey  # noqa: E402
-from weightcache.sources import vllm as src  # noqa: E402
+from weightcache import attach, publish
+from weightcache.errors import WeightCacheError
+from weightcache.integrations.model_state import parity
+from weightcache.integrations.vllm import common
+from weightcache.integrations.vllm import loader as vllm_loader
+from weightcache.integrations.vllm import producer as src
+from weightcache.integrations.vllm.loader import Options, bind_tensors
+from weightcache.key import CacheKey
 
 pytestmark = pytest.mark.vllm
 
@@ -29,7 +31,7 @@ def test_entry_point_registers_the_load_format():
     from vllm.model_executor.model_loader import get_model_loader
 
     eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "weightcache"]
-    assert len(eps) == 1 and eps[0].value == "weightcache.engines.vllm_plugin:register"
+    assert len(eps) == 1 and eps[0].value == "weightcache.integrations.vllm.plugin:register"
     register = eps[0].load()
     register()
     register()  # every vLLM process loads plugins; twice is harmless
@@ -79,7 +81,7 @@ class Block(nn.Module):
 def _loaded_block():
     torch.manual_seed(0)
     m = Block()
-    before = src.python_state(m)
+    before = common.python_state(m)
     with torch.no_grad():
         m.embed.normal_()
         m.proj.weight.normal_()
@@ -102,7 +104,7 @@ def _loaded_block():
 def test_capture_publish_attach_bind_roundtrip(sockdir):
     model, before = _loaded_block()
     tensors, roles = src.capture(model, before)
-    meta = src.read_meta(tensors)
+    meta = common.read_meta(tensors)
     assert meta["aliases"]["lm_head"] == "embed"
     assert meta["scalars"]["scale_float"] == {"v": 0.5} and meta["scalars"]["proj.input_scale"] == {"v": None}
     assert meta["deleted"] == ["proj.k_scale"] and meta["scalars"]["proj.bias"] == {"v": None}
@@ -137,7 +139,7 @@ def test_capture_publish_attach_bind_roundtrip(sockdir):
 
 
 def _state(m):
-    tensors, _ = src.reachable_tensors(m)
+    tensors, _ = common.reachable_tensors(m)
     return dict(tensors)
 
 
@@ -155,7 +157,7 @@ def test_parity_reports_every_kind_of_difference():
 def test_state_created_by_loading_that_cannot_be_shared_is_refused():
     model, before = _loaded_block()
     model.proj.kernel = object()  # an opaque object made by post-processing
-    with pytest.raises(src.UnsupportedQuantization, match=r"proj\.kernel \(object\)"):
+    with pytest.raises(common.UnsupportedQuantization, match=r"proj\.kernel \(object\)"):
         src.capture(model, before)
 
 
@@ -163,11 +165,11 @@ def test_kernels_made_by_post_processing_are_rebuilt_not_shipped():
     model, before = _loaded_block()
     model.moe = nn.Module()
     model.moe.quant_method = type("Method", (), {"__module__": "vllm.fake_moe"})()
-    before = src.python_state(model)  # as constructed: the method holds no kernel yet
+    before = common.python_state(model)  # as constructed: the method holds no kernel yet
     model.moe.quant_method.moe_kernel = object()  # made from the processed weights (opaque, unshareable)
     model.moe.quant_method.moe_quant_config = object()
     tensors, _ = src.capture(model, before)
-    meta = src.read_meta(tensors)
+    meta = common.read_meta(tensors)
     assert meta["rebuild"] == ["moe.quant_method"]
     assert not any("moe_kernel" in n for n in tensors) and not any("moe_kernel" in n for n in meta["scalars"])
 
@@ -186,27 +188,27 @@ def test_quantization_outside_the_allow_list_is_refused():
     model = nn.Module()
     model.a = nn.Module()
     model.a.quant_method = UnquantizedLinearMethod()
-    src.check_quantization(model)
+    common.check_quantization(model)
     model.b = nn.Module()
     model.b.quant_method = PackedInt4Method()
-    with pytest.raises(src.UnsupportedQuantization) as e:
-        src.check_quantization(model)
+    with pytest.raises(common.UnsupportedQuantization) as e:
+        common.check_quantization(model)
     assert "PackedInt4Method: 1 layer(s), e.g. b" in str(e.value)
     assert "load this model from disk" in str(e.value)
 
 
 def test_layout_string_matches_the_preload_layout():
-    from weightcache.layout import Layout
+    from weightcache.preload.layout import Layout
 
     class PC:
         data_parallel_size, pipeline_parallel_size, tensor_parallel_size, enable_expert_parallel = 2, 1, 4, True
 
-    assert src.layout_string(PC) == Layout(tp=4, dp=2, ep=True, device_type="cpu").describe() == "dp2-pp1-tp4-ep8"
+    assert common.layout_string(PC) == Layout(tp=4, dp=2, ep=True, device_type="cpu").describe() == "dp2-pp1-tp4-ep8"
 
 
 def test_read_meta_refuses_a_cache_from_another_front_end():
     with pytest.raises(WeightCacheError, match="not a `preload --engine vllm` cache"):
-        src.read_meta({"w": torch.zeros(1)})
+        common.read_meta({"w": torch.zeros(1)})
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -214,14 +216,14 @@ def test_read_meta_refuses_a_cache_from_another_front_end():
     (["--engine", "transformers", "--model", "x"], "--engine vllm only"),
 ])
 def test_preload_front_end_refuses_bad_flags(argv, message):
-    r = subprocess.run([sys.executable, "-m", "weightcache.vllm_preload", *argv], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "weightcache.preload.vllm_frontend", *argv], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0
     assert message in r.stderr
 
 
 def test_versions_outside_the_tested_range_get_one_clear_warning():
-    from weightcache.vllm_compat import version_note
+    from weightcache.integrations.vllm.compat import version_note
 
     assert version_note("0.26.0") is None and version_note("0.34.1") is None and version_note("0.32.0+cpu") is None
     for v in ("0.25.1", "0.35.0", "1.0.0", "dev"):
@@ -230,7 +232,7 @@ def test_versions_outside_the_tested_range_get_one_clear_warning():
 
 
 def test_engine_budget_counts_the_daemons_bytes_once():
-    from weightcache.vllm_compat import engine_budget
+    from weightcache.integrations.vllm.compat import engine_budget
 
     gib = 2**30
     # 100 GiB device, 0.9 utilization, daemons hold 30 GiB (already in use, so 70 GiB free)
@@ -245,8 +247,8 @@ def test_budget_shim_wraps_request_memory_only_for_weightcache(monkeypatch):
     """vLLM releases without get_external_weight_memory: the GPU worker's request_memory is wrapped."""
     import types
 
-    from weightcache import vllm_compat
-    from weightcache.engines.vllm_loader import WeightCacheModelLoader
+    from weightcache.integrations.vllm import compat as vllm_compat
+    from weightcache.integrations.vllm.loader import WeightCacheModelLoader
 
     calls = []
     fake = types.SimpleNamespace(request_memory=lambda snap, cc: calls.append("original") or 123)

@@ -65,7 +65,7 @@ def _dump_rank(worker, path: str) -> str:
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    from weightcache.engines.vllm_loader import engine_state
+    from weightcache.integrations.vllm.loader import engine_state
 
     out = f"{path}.rank{get_tensor_model_parallel_rank()}"
     model = worker.model_runner.model
@@ -119,7 +119,7 @@ def main(spec: dict) -> dict:
         if spec.get("dump"):
             import torch
 
-            from weightcache.engines.vllm_loader import engine_state
+            from weightcache.integrations.vllm.loader import engine_state
 
             state = {k: v.detach().cpu().clone() for k, v in engine_state(runner.model).items()}
             if dmodel is not None:

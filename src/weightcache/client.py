@@ -29,8 +29,8 @@ from .errors import (
     WeightCacheError,
 )
 from .key import CacheKey, check
-from .manifest import Manifest, build_views, validate
-from .naming import socket_name
+from .manifest import Manifest, validate
+from .packing import build_views
 
 log = logging.getLogger("weightcache.client")
 
@@ -117,29 +117,6 @@ def wait_ready(path: str | Path, timeout: float, on_progress=None, poll: float =
         if time.monotonic() >= deadline:
             raise DaemonNotReady(st.state, st.done, st.total, f"still not ready after {timeout:.0f} s")
         time.sleep(poll)
-
-
-def find_socket(socket_dir: str | Path, key: CacheKey, device_tag: str) -> Path:
-    """The socket for this key; else one for the same role/rank/device (attach then names the differing
-    fields); else DaemonUnavailable saying what was looked for."""
-    socket_dir = Path(socket_dir)
-    exact = socket_dir / socket_name(key, device_tag)
-    if exact.exists():
-        return exact
-    prefix = f"{key.role}-r{key.rank}-{device_tag}-"
-    candidates = sorted(socket_dir.glob(prefix + "*.sock")) if socket_dir.is_dir() else []
-    for cand in candidates:
-        try:
-            query_status(cand, timeout=1.0)
-            return cand
-        except WeightCacheError:
-            continue
-    raise DaemonUnavailable(
-        f"no weight cache daemon for {key.role} rank {key.rank} on device {device_tag} in {socket_dir} "
-        f"(looked for {exact.name}"
-        + (f"; stale: {', '.join(c.name for c in candidates)}" if candidates else "")
-        + ")"
-    )
 
 
 class _Watch:

@@ -2,66 +2,31 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import msgspec
 import torch
 
 from . import wire
 from .arena import allocate_block
-from .errors import ProtocolError, SocketInUse, WeightCacheError
+from .errors import ProtocolError
+from .handover import Handover
 from .key import CacheKey, diff
-from .manifest import (
-    DEFAULT_BLOCK_BYTES,
-    Manifest,
-    build_views,
-    plan_for_metas,
-    plan_for_tensors,
-    release_storage,
-    storage_bytes,
-    validate,
-)
-from .naming import check_socket_path, ensure_private_dir
+from .manifest import DEFAULT_BLOCK_BYTES, Manifest, plan_for_metas
+from .packing import build_views, plan_for_tensors, release_storage, storage_bytes
+from .server import OUT_OF_DESCRIPTORS, UnixServer
 
 log = logging.getLogger("weightcache.daemon")
 
 IDLE_TIMEOUT = 60.0  # a connection that is not attached is dropped this long after its last Hello
 MAX_PER_PEER = 64  # connections one process may hold (attached or not)
 STATUS_RESERVE = 8  # connections past max_clients that may only ask for status
-ACCEPT_QUIET = 2.0  # seconds without an accept error that end an episode of them
-_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-def _remove_stale_socket(path: Path) -> None:
-    """Unlink a socket left by a dead daemon; refuse to touch a live one or a non-socket file."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        log.warning("removing stale socket %s (its daemon is gone)", path)
-        path.unlink(missing_ok=True)
-        return
-    except OSError as e:
-        raise SocketInUse(f"cannot probe existing socket {path}: {e}") from None
-    finally:
-        probe.close()
-    raise SocketInUse(f"a live daemon already serves {path}")
 
 
 class Daemon:
@@ -86,13 +51,12 @@ class Daemon:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.allowed_uids = {os.getuid(), *(allowed_uids or ())}
         self.block_bytes = block_bytes
         self.hello_timeout = hello_timeout
         self.idle_timeout = idle_timeout
-        self.max_clients = max_clients
-        self.max_per_peer = max_per_peer
-        self.status_reserve = status_reserve
+        self.server = UnixServer(self.socket_path, self._serve_connection, self._refuse, what="daemon",
+                                 allowed_uids=allowed_uids or (), max_clients=max_clients, max_per_peer=max_per_peer,
+                                 status_reserve=status_reserve)
         self.info = dict(info or {})
         self.state = "starting"
         self.message = ""
@@ -102,9 +66,6 @@ class Daemon:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._signalled = False
-        self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()
-        self._per_peer: dict[tuple[int, int], int] = {}  # (uid, pid) -> open connections
         self._started_at = time.time()
         self._done = self._total = 0
         self._load_seconds = 0.0
@@ -114,8 +75,8 @@ class Daemon:
         self._attach_count = 0
         self._attach_buckets = [0] * len(wire.ATTACH_BUCKETS)
         self._gpu_uuid = ""
-        self.custodian_path = Path(custodian) if custodian else None  # hands the cache to a replacement daemon
-        self._custodian = None  # our connection: the custodian knows we serve what we deposited or claimed
+        # the custodian: hands the cache to a replacement daemon; while connected, it knows we serve it
+        self.handover = Handover(custodian, self.socket_path.name) if custodian else None
         self.adopted = False  # the weights were taken over from the custodian, not loaded
         self.held = False  # the custodian holds a copy: the cache outlives this daemon
         self._started_mono = time.monotonic()
@@ -132,18 +93,10 @@ class Daemon:
 
     def start(self) -> None:
         """Bind the socket and serve in the background; state becomes "loading"."""
-        check_socket_path(self.socket_path)
-        ensure_private_dir(self.socket_path.parent)
-        _remove_stale_socket(self.socket_path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.socket_path))
-        os.chmod(self.socket_path, 0o666 if len(self.allowed_uids) > 1 else 0o600)
-        listener.listen(128)
-        listener.settimeout(0.2)
-        self._listener = listener
+        self.server.bind()
         self._started_mono = time.monotonic()
         self.state = "loading"
-        threading.Thread(target=self._accept_loop, name="weightcache-accept", daemon=True).start()
+        self.server.start()
         if self.device.type == "cuda":
             threading.Thread(target=self._watch_peak, name="weightcache-peak", daemon=True).start()
         log.info("daemon for %s rank %d listening on %s", self.key.model, self.key.rank, self.socket_path)
@@ -199,94 +152,30 @@ class Daemon:
 
     # ---- the custodian: the cache outlives this daemon --------------------------------------------------
 
-    def _custodian_client(self):
-        if self.custodian_path is None:
-            return None
-        if self._custodian is None:
-            from .custodian import CustodianClient
-
-            try:
-                self._custodian = CustodianClient.connect(self.custodian_path, client=f"daemon {self.socket_path.name}")
-            except WeightCacheError as e:
-                log.warning("no custodian (%s): this rank's cache will not outlive its daemon", e)
-                self.custodian_path = None
-        return self._custodian
-
     def _deposit(self, manifest: Manifest) -> None:
-        client = self._custodian_client()
-        if client is None:
-            return
-        from .custodian import Holding
-
-        holding = Holding(name=self.socket_path.name, model=self.key.model, role=self.key.role, rank=self.key.rank,
-                          device=self.device.type, gpu_uuid=self._gpu_uuid,
-                          block_bytes=[b.nbytes for b in manifest.blocks])
-        try:
-            client.deposit(holding, msgspec.msgpack.encode(self.key), msgspec.msgpack.encode(manifest),
-                           [b.fd for b in self._blocks])
-            self.held = True
-        except WeightCacheError as e:
-            log.warning("the custodian did not take this rank's cache (%s): it will not outlive this daemon", e)
+        if self.handover is not None:
+            self.held = self.handover.deposit(self.key, manifest, [b.fd for b in self._blocks],
+                                              device=self.device.type, gpu_uuid=self._gpu_uuid)
 
     def adopt(self) -> bool:
         """Serve the cache the custodian holds for this socket name, without a load: its key must equal ours
         field by field. False when it holds none; one it holds that does not fit is released."""
-        client = self._custodian_client()
-        if client is None:
+        if self.handover is None:
             return False
         t0 = time.monotonic()
-        name = self.socket_path.name
-        try:
-            got = client.claim(name)
-        except WeightCacheError as e:
-            log.warning("custodian: %s; loading afresh", e)
-            return False
+        got = self.handover.adopt(self.key, self.device.type, self._gpu_uuid)
         if got is None:
             return False
-        claimed, fds = got
-        try:
-            manifest = self._check_claimed(claimed, len(fds))
-            from .arena.adopted import AdoptedBlock
-
-            blocks = []
-            for fd, spec in zip(fds, manifest.blocks, strict=True):
-                blocks.append(AdoptedBlock(fd, spec.nbytes, self.device.type))
-        except (ValueError, WeightCacheError, msgspec.DecodeError, OSError) as e:
-            for fd in fds:
-                os.close(fd)
-            log.warning("the custodian's cache %s does not fit this daemon (%s): releasing it, loading afresh",
-                        name, e)
-            try:
-                client.release([name])
-            except WeightCacheError:
-                pass
-            return False
-        self._blocks = blocks
+        manifest, self._blocks = got
         self.adopted = self.held = True
         self._finish(manifest, t0)
         return True
 
-    def _check_claimed(self, claimed, nfds: int) -> Manifest:
-        held_key = msgspec.msgpack.decode(claimed.key, type=CacheKey)
-        diffs = diff(self.key, held_key)
-        if diffs:
-            raise ValueError("its key differs: " + ", ".join(
-                f"{d.field}: held {d.actual!r}, this daemon {d.expected!r}" for d in diffs))
-        manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
-        validate(manifest)
-        if nfds != len(manifest.blocks) or [b.nbytes for b in manifest.blocks] != claimed.holding.block_bytes:
-            raise ValueError(f"{nfds} block fds for {len(manifest.blocks)} blocks")
-        if manifest.device != self.device.type or manifest.gpu_uuid != self._gpu_uuid:
-            raise ValueError(f"held on {manifest.device} {manifest.gpu_uuid}, this daemon serves {self.device} "
-                             f"{self._gpu_uuid}")
-        return manifest
-
     def load(self, source) -> None:
-        """Plan from the source's description, allocate the arena, let the source fill it in place."""
+        """Plan from a FillSource's description, allocate the arena, let the source fill it in place."""
         t0 = self._load_t0 = time.monotonic()
         try:
-            if hasattr(source, "prepare_fill"):
-                source.prepare_fill()  # its staging buffers made while the arena is allocated
+            source.prepare()  # its staging buffers made while the arena is allocated
             manifest = plan_for_metas(source.describe(), self.block_bytes)
             self._total = sum(s.nbytes for s in manifest.storages)
             views = build_views(manifest, self._allocate(manifest))
@@ -294,8 +183,7 @@ class Daemon:
             del views  # the writable views go before the blocks are sealed
             self._finish(manifest, t0)
         except BaseException as e:
-            if hasattr(source, "release_prepared"):
-                source.release_prepared()
+            source.release()
             self.fail(f"{type(e).__name__}: {e}")
             raise
 
@@ -395,27 +283,12 @@ class Daemon:
             return
         self._stop.set()
         self.state = "closed"
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-            try:
-                if os.path.exists(self.socket_path):
-                    self.socket_path.unlink()
-            except OSError:
-                pass
-        with self._lock:
-            conns = list(self._connections)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.server.close()
         for b in self._blocks:
             b.close()  # memory lives on in attached engines (and the custodian) until they drop it
         self._blocks = []
-        if self._custodian is not None:
-            self._custodian.close()  # what we deposited stays held for a replacement
-            self._custodian = None
+        if self.handover is not None:
+            self.handover.close()  # what we deposited stays held for a replacement
 
     def __enter__(self):
         return self
@@ -445,64 +318,6 @@ class Daemon:
 
     # ---- serving ----------------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        """Accept until closed. Running out of descriptors (EMFILE/ENFILE) or any other accept error never
-        ends the loop: it backs off (up to 1 s) and serves again once it can, logging once per episode (an
-        episode ends after ACCEPT_QUIET seconds without an error)."""
-        backoff = 0.0
-        trouble_since = last_error = None
-        while not self._stop.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if self._stop.is_set() or self._listener is None:
-                    return
-                last_error = time.monotonic()
-                if trouble_since is None:
-                    trouble_since = last_error
-                    with self._lock:
-                        n = len(self._connections)
-                    hint = " (out of file descriptors)" if e.errno in _OUT_OF_DESCRIPTORS else ""
-                    log.warning("cannot accept connections%s: %s; %d connection(s) open; retrying until it can",
-                                hint, e.strerror or e, n)
-                backoff = min(max(2 * backoff, 0.01), 1.0)
-                self._stop.wait(backoff)
-                continue
-            backoff = 0.0
-            if trouble_since is not None and time.monotonic() - last_error > ACCEPT_QUIET:
-                log.warning("accepting connections again (for %.1f s it could not)", last_error - trouble_since)
-                trouble_since = None
-            self._admit(conn)
-
-    def _admit(self, conn: socket.socket) -> None:
-        """Count the connection against the daemon's and its process's limits; past max_clients a few more
-        are let in for status requests only, so that `weightcache status` works through a flood."""
-        try:
-            pid, uid, _ = wire.peer_credentials(conn)
-        except OSError:
-            conn.close()
-            return
-        peer = (uid, pid)
-        with self._lock:
-            total, mine = len(self._connections), self._per_peer.get(peer, 0)
-            full = total >= self.max_clients + self.status_reserve
-            if not full and mine < self.max_per_peer:
-                self._connections.add(conn)
-                self._per_peer[peer] = mine + 1
-        if full:
-            self._refuse(conn, "busy", f"daemon serves {total} connections already; retry later")
-        elif mine >= self.max_per_peer:
-            self._refuse(conn, "busy", f"process {pid} holds {mine} connections already (at most "
-                                       f"{self.max_per_peer}); close some or retry later")
-        else:
-            threading.Thread(target=self._serve_connection, args=(conn, peer, total >= self.max_clients),
-                             name="weightcache-conn", daemon=True).start()
-
     def _refuse(self, conn: socket.socket, code: str, message: str, diffs=()) -> None:
         with self._lock:
             self._counters["attaches_refused"] += code in ("key_mismatch", "permission", "version")
@@ -515,16 +330,11 @@ class Daemon:
             conn.close()
 
     def _serve_connection(self, conn: socket.socket, peer: tuple[int, int], status_only: bool = False) -> None:
-        """Serve one client. Until it attaches it must keep asking: the first request within hello_timeout,
-        then a Hello (one that waits for the load) at least every idle_timeout; pings and status requests
-        do not keep a connection open. A status-only connection gets one answer."""
+        """Serve one client (the server admitted it). Until it attaches it must keep asking: the first request
+        within hello_timeout, then a Hello (one that waits for the load) at least every idle_timeout; pings
+        and status requests do not keep a connection open. A status-only connection gets one answer."""
         attached = False
-        uid, pid = peer
         try:
-            if uid not in self.allowed_uids:
-                log.warning("refused pid %d: uid %d not allowed", pid, uid)
-                self._refuse(conn, "permission", f"uid {uid} is not allowed to attach (allowed: {sorted(self.allowed_uids)})")
-                return
             deadline = time.monotonic() + self.hello_timeout
             first = True
             while not self._stop.is_set():
@@ -550,7 +360,7 @@ class Daemon:
                     wire.send_msg(conn, self.status())
                 elif isinstance(msg, wire.Hello) and not attached:
                     if status_only:
-                        self._refuse(conn, "busy", f"daemon serves {self.max_clients} connections already; "
+                        self._refuse(conn, "busy", f"daemon serves {self.server.max_clients} connections already; "
                                                    "retry later")
                         return
                     attached = self._handle_hello(conn, msg)
@@ -562,21 +372,10 @@ class Daemon:
                     return
                 if status_only:
                     return
-        except OSError:
-            return  # peer vanished; nothing of ours is lost
-        except Exception:
-            log.exception("error while serving a client")
         finally:
-            with self._lock:
-                self._connections.discard(conn)
-                left = self._per_peer.get(peer, 1) - 1
-                if left > 0:
-                    self._per_peer[peer] = left
-                else:
-                    self._per_peer.pop(peer, None)
-                if attached:
+            if attached:
+                with self._lock:
                     self._counters["clients_attached"] -= 1
-            conn.close()
 
     def _count_attach(self, clients: int, attaches: int, nbytes: int) -> None:
         with self._lock:
@@ -609,7 +408,7 @@ class Daemon:
         try:
             fds = self._export_fds(readonly)
         except OSError as e:
-            if e.errno not in _OUT_OF_DESCRIPTORS:
+            if e.errno not in OUT_OF_DESCRIPTORS:
                 raise
             self._refuse(conn, "busy", f"daemon is out of file descriptors ({e.strerror}); retry later")
             return None

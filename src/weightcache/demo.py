@@ -190,9 +190,9 @@ def _serve(model_dir: Path, dev, socket_dir: Path):
     """A daemon holding the checkpoint as `weightcache preload --model DIR` holds it for one rank:
     transformers' own from_pretrained in bfloat16, captured. Returns (daemon, socket, load seconds)."""
     from .daemon import Daemon
-    from .layout import Placement
-    from .naming import device_tag, socket_path
-    from .sources.transformers import TransformersSource
+    from .integrations.transformers.producer import TransformersSource
+    from .preload.layout import Placement
+    from .sockets import device_tag, socket_path
 
     try:
         from transformers.utils import logging as hf_logging
@@ -208,7 +208,7 @@ def _serve(model_dir: Path, dev, socket_dir: Path):
     try:
         daemon.start()
         t = time.perf_counter()
-        source.load_into(daemon)
+        source.produce(daemon)
     except BaseException:
         daemon.close()
         raise
@@ -216,7 +216,7 @@ def _serve(model_dir: Path, dev, socket_dir: Path):
 
 
 def _make_checkpoint(path: Path, size_mb: int, dtype) -> None:
-    from .checkpoints import llama_config_for_bytes, make_llama_checkpoint
+    from .testing.checkpoints import llama_config_for_bytes, make_llama_checkpoint
 
     if not (path / "config.json").exists():
         make_llama_checkpoint(path, **llama_config_for_bytes(size_mb << 20, dtype), dtype=dtype,

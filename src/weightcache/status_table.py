@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import msgspec
 
-_NAME = re.compile(r"^(?P<role>[a-z]+)-r(?P<rank>\d+)-(?P<dev>[0-9a-z]+)-(?P<hash>[0-9a-f]+)\.sock$")
+from .progress import human_bytes, human_duration
+from .sockets import daemon_sockets, parse_socket_name
+
 COLUMNS = ("ROLE", "RANK", "DEVICE", "MODEL", "BYTES", "TENSORS", "CLIENTS", "UPTIME", "STATE")
 
 
 def _from_name(path: Path) -> dict:
-    m = _NAME.match(path.name)
-    if not m:
+    parsed = parse_socket_name(path.name)
+    if parsed is None:
         return {"role": "?", "rank": None, "device": ""}
-    return {"role": m["role"], "rank": int(m["rank"]), "device": m["dev"]}
+    return {"role": parsed["role"], "rank": parsed["rank"], "device": parsed["device"]}
 
 
 def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
@@ -26,7 +27,7 @@ def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
 
     rows = []
     now = time.time()
-    for path in sorted(Path(socket_dir).glob("*.sock")):
+    for path in daemon_sockets(socket_dir):
         row = {"socket": str(path), **_from_name(path), "model": "", "nbytes": None, "ntensors": None,
                "clients": None, "uptime_s": None, "state": "", "message": "", "pid": None, "status": None}
         try:
@@ -54,32 +55,6 @@ def collect(socket_dir: str | Path, timeout: float = 2.0) -> list[dict]:
     rows.sort(key=lambda r: (r["role"] != "main", r["role"], r["rank"] if r["rank"] is not None else -1,
                              r["socket"]))
     return rows
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
-def human_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(max(0, s))
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if d:
-        return f"{d}d{h:02d}h"
-    if h:
-        return f"{h}h{m:02d}m"
-    if m:
-        return f"{m}m{s:02d}s"
-    return f"{s}s"
 
 
 def _short_model(model: str, width: int = 40) -> str:

@@ -1,0 +1,257 @@
+"""One daemon process of a preload: source -> key -> socket -> (go) -> load or adopt -> serve; it dies with its supervisor."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..errors import ArenaOutOfMemory, WeightCacheError
+from ..key import CacheKey
+from ..sources import Producer
+from .layout import Placement
+
+log = logging.getLogger("weightcache.supervisor")
+
+TERM_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+PR_SET_PDEATHSIG = 1
+EXIT_OOM = 3  # a daemon ran out of device or host memory
+EXIT_KEY_CHANGED = 4  # a replacement daemon computed another key than its rank agreed on: never restarted
+GO = b"go"  # every node agreed: take the cache from the custodian if it holds it, else load
+LOAD = b"load"  # load afresh (some rank of the group has nothing held: its ranks load together)
+ADOPT = b"adopt"  # take the cache from the custodian or fail (a rank that cannot load alone)
+
+
+class _Terminated(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    # PDEATHSIG and the lifeline both send SIGTERM: a second one must not interrupt the clean-up
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Terminated(signum)
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """Everything one daemon process needs; pickled to the spawned child."""
+
+    role: str
+    placement: Placement
+    layout: str
+    socket_dir: str
+    make_source: Callable
+    source_args: dict
+    make_key: Callable
+    key_args: dict
+    supervisor_pid: int
+    master_addr: str
+    master_port: int
+    info: dict
+    log_level: int = logging.INFO
+    custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    loads_alone: bool = True
+    expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
+
+
+def _die_with_parent(parent_pid: int, lifeline, go: threading.Event, mode: list) -> None:
+    """SIGTERM this process when the supervisor goes away, however it goes. The lifeline pipe also
+    carries the supervisor's "go" (every node agreed: load now) and how (GO, LOAD or ADOPT, into `mode`)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(1)
+
+    def watch():
+        try:
+            while True:
+                msg = lifeline.recv_bytes()
+                if msg in (GO, LOAD, ADOPT):
+                    mode[:] = [msg]
+                    go.set()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(TERM_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="weightcache-lifeline", daemon=True).start()
+
+
+class LazySource:
+    """The group's source, built on first use: a daemon that takes its cache from the custodian never builds
+    it (building one may read the checkpoint's headers)."""
+
+    def __init__(self, make: Callable, placement: Placement, args: dict):
+        self._make, self._placement, self._args = make, placement, args
+        self._source = None
+
+    def get(self):
+        if self._source is None:
+            self._source = self._make(self._placement, **self._args)
+        return self._source
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+
+def _send(conn, kind: str, **fields) -> None:
+    try:
+        conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
+    except OSError:
+        pass  # the supervisor is gone; the lifeline ends us
+
+
+def child_main(spec: ChildSpec, conn, lifeline) -> None:
+    """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
+    go, mode = threading.Event(), [GO]
+    _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the supervisor alone; it stops the daemons
+    p = spec.placement
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [{spec.role} r{p.rank}] %(name)s: %(message)s")
+    daemon = None
+    code = 0
+    try:
+        from ..daemon import Daemon
+        from ..sockets import device_tag, socket_path
+
+        if p.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(p.local_index)  # local index == device index
+        source = LazySource(spec.make_source, p, spec.source_args)
+        key = spec.make_key(source, p, layout=spec.layout, role=spec.role, **spec.key_args)
+        if key.rank != p.rank or key.role != spec.role or key.layout != spec.layout:
+            raise ValueError(f"make_key returned rank {key.rank}/{key.role}/{key.layout} for rank {p.rank}/"
+                             f"{spec.role}/{spec.layout}")
+        if spec.expect_key is not None:
+            from ..key import diff
+
+            changed = diff(spec.expect_key, key)
+            if changed:
+                code = EXIT_KEY_CHANGED
+                raise ValueError("the weights changed since this rank started (" + ", ".join(
+                    f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
+        path = socket_path(spec.socket_dir, key, device_tag(p.device))
+        info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
+                **{k: str(v) for k, v in spec.info.items()}}
+        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None)
+        daemon.start()
+        _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
+        while not go.wait(0.5):
+            pass
+        if mode[0] != LOAD and daemon.adopt():
+            pass  # the custodian held this exact cache: served again without a load
+        elif mode[0] == ADOPT:
+            raise RuntimeError("the custodian holds no cache for this rank, and its source loads only together "
+                               "with every rank of its group: restart preload")
+        elif isinstance(source.get(), Producer):  # an engine's own loader builds the tensors; packed, sharing kept
+            source.get().produce(daemon)
+        else:
+            daemon.load(source.get())
+        st = daemon.status()
+        _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds,
+              adopted=st.adopted, held=st.held, ready_seconds=st.ready_seconds)
+        daemon.serve_forever()
+    except _Terminated:
+        code = 0
+    except BaseException as e:
+        oom = isinstance(e, (ArenaOutOfMemory, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+        code = EXIT_OOM if oom else (code or 1)
+        if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
+            code = e.code
+        message = f"{type(e).__name__}: {e}"
+        if isinstance(e, WeightCacheError):  # says what is wrong already: the traceback only at DEBUG
+            log.error("failed: %s", message)
+            log.debug("%s", traceback.format_exc())
+        else:
+            log.error("failed: %s\n%s", message, traceback.format_exc())
+        _send(conn, "failed", message=message)
+    finally:
+        if daemon is not None:
+            daemon.close()
+    # Skip interpreter finalization: with torch loaded it can hang in garbage collection at exit, and
+    # nothing is left to clean up (socket removed, memory returns to the kernel).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: mp.Process
+    conn: object  # read end of the status pipe
+    lifeline: object  # write end; "go" goes through it, closing it (or dying) ends the child
+    socket: str = ""
+    key: CacheKey | None = None
+    state: str = "spawned"  # spawned | started | ready | failed
+    message: str = ""
+    ready_info: dict = field(default_factory=dict)
+    replacement: bool = False  # started after READY in place of a daemon that died
+    go_sent: bool = False
+    announced: bool = False
+    reported: bool = False  # its exit was logged
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the HTTP thread drains too
+
+    @property
+    def label(self) -> str:
+        p = self.spec.placement
+        return f"rank {p.rank} ({self.spec.role}, {p.device})"
+
+    @property
+    def exited(self) -> bool:
+        return self.proc.exitcode is not None
+
+    def drain(self) -> None:
+        with self.lock:
+            self._drain()
+
+    def _drain(self) -> None:
+        while self.conn is not None:
+            try:
+                if not self.conn.poll():
+                    return
+                msg = json.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self.conn.close()
+                self.conn = None
+                return
+            kind = msg.get("kind")
+            if kind == "started":
+                self.socket, self.state = msg["socket"], "started"
+                self.key = msgspec.convert(msg["key"], CacheKey)
+            elif kind == "ready":
+                self.state, self.ready_info = "ready", msg
+            elif kind == "failed":
+                self.state, self.message = "failed", msg.get("message", "")
+
+
+def exit_code_of(exitcode: int | None) -> int:
+    """The supervisor's exit code for a daemon's: a signal N maps to 128+N, a clean 0 during start-up to 1."""
+    if exitcode is None:
+        return 1
+    if exitcode < 0:
+        return 128 - exitcode
+    return exitcode or 1

@@ -1,0 +1,126 @@
+"""What every `weightcache preload` front end shares (``frontend`` for the transformers and safetensors engines,
+``vllm_frontend`` for vLLM's own flags): the ``--weight-cache-*`` flags, defined here once, their argument
+types, logging, the socket directory and running the supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+
+DEFAULT_HEALTH_HOST = "127.0.0.1"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed without a traceback, exit code 2."""
+
+
+def int_in(low: int, high: int | None, what: str):
+    """An argparse type: an integer in [low, high], named `what` in its errors."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if high is not None and not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"port {v} is outside {low}..{high}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite, positive number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds > 0")
+    return v
+
+
+port_number = int_in(1, 65535, "a port number")
+port_or_zero = int_in(0, 65535, "a port number")
+positive_int = int_in(1, None, "an integer")
+non_negative_int = int_in(0, None, "an integer")
+
+
+def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False) -> None:
+    """The ``--weight-cache-*`` flags of every preload front end. ``vllm``: the front end takes vLLM's own
+    flags (its log level is then ``--weight-cache-log-level``, and several-nodes-on-one-host testing is
+    vLLM's own business)."""
+    g = p.add_argument_group("weight cache")
+    g.add_argument("--weight-cache-socket-dir", default=None, metavar="DIR",
+                   help="where the daemons' sockets live (default: a per-user 0700 directory)"
+                        + ("; pass the same directory to the engine as --model-loader-extra-config "
+                           "'{\"socket_dir\": DIR}'" if vllm else ""))
+    g.add_argument("--weight-cache-master-port", type=port_number, default=None, metavar="PORT",
+                   help="rendezvous port of the main group on node 0 (required across nodes; else free)"
+                        + ("; not the engine's --master-port" if vllm else ""))
+    g.add_argument("--weight-cache-draft-master-port", type=port_number, default=None, metavar="PORT",
+                   help="rendezvous port of the draft group (default: master port + 1 across nodes; else "
+                        "free); must differ from the main one")
+    g.add_argument("--weight-cache-health-port", type=port_or_zero, default=None, metavar="PORT",
+                   help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
+    g.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST, metavar="HOST",
+                   help=f"address the HTTP server binds (default {DEFAULT_HEALTH_HOST})")
+    g.add_argument("--weight-cache-start-timeout", type=seconds, default=3600.0, metavar="S",
+                   help="give up if the daemons are not ready after this long")
+    g.add_argument("--weight-cache-rendezvous-timeout", type=seconds, default=600.0, metavar="S",
+                   help="how long nodes wait for each other")
+    if not vllm:
+        g.add_argument("--weight-cache-allow-loopback-nodes", action="store_true",
+                       help="let several 'nodes' share one host over loopback (testing)")
+    g.add_argument("--weight-cache-keep-on-stop", action="store_true",
+                   help="on SIGINT/SIGTERM leave the weights with the custodian, for the next preload of the "
+                        "same model and flags (an upgrade); `weightcache release` frees them")
+    g.add_argument("--weight-cache-no-custodian", action="store_true",
+                   help="no custodian: the weights live and die with their daemons")
+    g.add_argument("--weight-cache-log-level" if vllm else "--log-level", dest="log_level", default="INFO",
+                   choices=LOG_LEVELS)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+
+
+def resolve_socket_dir(explicit: str | None, roles: list[str], world_size: int, device: str,
+                       create: bool = True) -> Path:
+    """The socket directory: socket paths short enough for every rank (checked before the directory is
+    made), ours, private and writable (not on a read-only filesystem). Without `create`, an existing
+    directory is checked and a missing one left alone."""
+    from ..errors import WeightCacheError
+    from ..sockets import check_socket_path, default_socket_dir_path, ensure_private_dir, longest_socket_path
+
+    path = Path(explicit) if explicit else default_socket_dir_path()
+    try:
+        check_socket_path(longest_socket_path(path, roles, world_size, device))
+        if not create and not path.exists():
+            return path
+        return ensure_private_dir(path)
+    except WeightCacheError as e:
+        raise UsageError(f"{e}" + (" (--weight-cache-socket-dir)" if explicit else "")) from None
+
+
+def run_supervisor(groups, socket_dir, args) -> int:
+    """Run the daemon groups with the --weight-cache-* options every preload front end shares."""
+    from .supervisor import StartError, Supervisor
+
+    try:
+        sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
+                         health_port=args.weight_cache_health_port,
+                         start_timeout=args.weight_cache_start_timeout,
+                         rendezvous_timeout=args.weight_cache_rendezvous_timeout,
+                         log_level=getattr(logging, args.log_level),
+                         custodian=not args.weight_cache_no_custodian,
+                         keep_on_stop=args.weight_cache_keep_on_stop)
+    except StartError as e:
+        raise UsageError(str(e)) from None
+    return sup.run()

@@ -1,0 +1,180 @@
+"""``weightcache preload --engine vllm [MODEL] <vllm serve flags> [--weight-cache-* flags]``.
+
+vLLM's own argument parser reads the engine flags (``EngineArgs``), so the daemons are configured exactly
+like the engine that will attach them: same model, dtype, quantization, parallel layout and speculative
+config. One daemon process per local rank (and one more group for a draft model) builds its rank with
+vLLM's loader and serves it; see ``weightcache.integrations.vllm.producer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("weightcache.preload.vllm_frontend")
+
+
+def _strip_engine(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--engine":
+            if i + 1 >= len(argv) or argv[i + 1] != "vllm":
+                raise SystemExit("weightcache preload: error: this front end serves --engine vllm only")
+            skip = True
+            continue
+        if a.startswith("--engine="):
+            if a != "--engine=vllm":
+                raise SystemExit("weightcache preload: error: this front end serves --engine vllm only")
+            continue
+        out.append(a)
+    return out
+
+
+def build_parser():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .options import add_weight_cache_arguments
+
+    p = FlexibleArgumentParser(
+        prog="weightcache preload --engine vllm",
+        description="Start one weight cache daemon per local rank, each holding the weights vLLM's own loader "
+                    "builds for that rank. Takes the flags of `vllm serve`; start the engine with the same "
+                    "flags plus --load-format weightcache.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (or use --model)")
+    EngineArgs.add_cli_args(p)
+    add_weight_cache_arguments(p, vllm=True)
+    return p
+
+
+def _layout(vllm_config, role: str, tp: int):
+    import torch
+    from vllm.platforms import current_platform
+
+    from ..errors import LayoutError
+    from .layout import Layout
+    from .options import UsageError
+
+    pc = vllm_config.parallel_config
+    device_type = "cpu" if current_platform.is_cpu() else "cuda"
+    kw = dict(tensor_parallel_size=tp, pipeline_parallel_size=pc.pipeline_parallel_size,
+              data_parallel_size=pc.data_parallel_size, enable_expert_parallel=pc.enable_expert_parallel,
+              nnodes=pc.nnodes, node_rank=pc.node_rank, master_addr=pc.master_addr, role=role,
+              device_type=device_type,
+              local_devices=torch.cuda.device_count() if device_type == "cuda" else None)
+    if pc.data_parallel_size > 1 and pc.nnodes == 1:
+        kw.update(data_parallel_size_local=pc.data_parallel_size_local, data_parallel_rank=pc.data_parallel_rank,
+                  data_parallel_address=pc.data_parallel_master_ip)
+    try:
+        return Layout.from_vllm_args(**kw)
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
+
+
+def plan_groups(args, vllm_config) -> list:
+    """The daemon groups (main, and draft with a draft model) for this node."""
+    from vllm.utils.network_utils import get_open_port
+
+    from ..integrations.vllm import producer as src
+    from .options import UsageError
+    from .supervisor import Group
+
+    pc = vllm_config.parallel_config
+    main = _layout(vllm_config, "main", pc.tensor_parallel_size)
+    nodes = main.nodes
+    addr = pc.data_parallel_master_ip if pc.data_parallel_size > 1 and pc.nnodes == 1 else pc.master_addr
+    port = args.weight_cache_master_port
+    if nodes > 1 and not port:
+        raise UsageError(f"the daemons span {nodes} nodes: pass --weight-cache-master-port (the same on every "
+                         "node, a port node 0 can listen on; not the engine's --master-port)")
+    port = port or get_open_port()
+    plans = [("main", main, port)]
+    draft_cfg = src.draft_vllm_config(vllm_config)
+    if draft_cfg is not None:
+        dport = args.weight_cache_draft_master_port or (port + 1 if nodes > 1 else get_open_port())
+        if dport == port:
+            raise UsageError(f"the main and draft groups need different rendezvous ports, both are {port}: "
+                             "change --weight-cache-draft-master-port")
+        plans.append(("draft", _layout(vllm_config, "draft", draft_cfg.parallel_config.tensor_parallel_size),
+                      dport))
+    groups = []
+    for role, layout, gport in plans:
+        groups.append(Group(
+            role=role, layout=layout, make_source=src.make_source, make_key=src.make_key,
+            source_args={"vllm_config": vllm_config, "role": role, "master_addr": addr, "master_port": gport,
+                         "timeout_s": args.weight_cache_rendezvous_timeout},
+            master_addr=addr, master_port=gport, info={"engine": "vllm"},
+            loads_alone=layout.world_size == 1))  # its ranks load in one process group
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .options import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        return _preload(args)
+    except Exception as e:
+        from ..errors import WeightCacheError
+        from .options import UsageError
+
+        if isinstance(e, (UsageError, WeightCacheError, ValueError)):
+            print(f"weightcache preload: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _model_configs(vllm_config) -> list:
+    configs = [vllm_config.model_config]
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.draft_model_config is not None:
+        configs.append(spec.draft_model_config)
+    return configs
+
+
+def _download_and_hash(vllm_config) -> None:
+    """Fetch Hugging Face models once, here, and hash their files once, here: every daemon (and engine)
+    derives its key from the local files and then only stat()s them (the digest cache)."""
+    import os
+
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from ..digests import checkpoint_digest
+    from ..integrations.vllm.producer import local_checkpoint_dir
+
+    for mc in _model_configs(vllm_config):
+        if not os.path.isdir(str(mc.model)):
+            get_model_loader(vllm_config.load_config).download_model(mc)
+        checkpoint_digest(local_checkpoint_dir(mc))
+
+
+def _preload(args) -> int:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .options import UsageError, resolve_socket_dir, run_supervisor
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.load_format == "weightcache":
+        raise UsageError("the daemons load from the checkpoint themselves: drop --load-format weightcache "
+                         "(it is the engine's flag)")
+    from ..integrations.vllm.compat import warn_if_untested
+
+    warn_if_untested()
+    engine_args = EngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config()
+    _download_and_hash(vllm_config)
+    groups = plan_groups(args, vllm_config)
+    socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, [g.role for g in groups],
+                             max(g.layout.world_size for g in groups), groups[0].layout.device_type)
+    return run_supervisor(groups, socket_dir, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
