@@ -1,4 +1,4 @@
-"""`weightcache preload | status | demo`."""
+"""`weightcache preload | status | release | run | warm-engine | demo`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ log = logging.getLogger("weightcache.cli")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,release,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,release,run,warm-engine,demo}")
     add_preload_arguments(sub.add_parser(
         "preload", help="start a daemon per rank and keep the weights loaded", description=PRELOAD_DESCRIPTION,
         epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--list", action="store_true", help="list what is held; release nothing")
     rel.add_argument("--json", action="store_true", help="machine-readable output")
     rel.add_argument("--stop", action="store_true", help="release everything and stop the custodian now")
+    sub.add_parser("run", help="start an engine from the warm interpreter: weightcache run -- CMD ARGS...",
+                   add_help=False)
+    sub.add_parser("warm-engine", help="keep an interpreter with torch, vLLM and transformers imported for `run`",
+                   add_help=False)
     sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
     return parser
 
@@ -186,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         from .custodian import server as custodian
 
         return custodian.main(argv[1:]) or 0
+    if argv and argv[0] == "run":
+        from .warm import client as warm_client
+
+        return warm_client.main(argv[1:])
+    if argv and argv[0] == "warm-engine":
+        from .warm import server as warm_server
+
+        return warm_server.main(argv[1:])
     if argv and argv[0] == "demo":
         from . import demo
 

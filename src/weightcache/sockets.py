@@ -1,6 +1,7 @@
 """Sockets, the one place that knows their names: where they live (a private per-user directory), what a
-daemon's socket is called (role, rank, GPU and cache identity), the custodian's, parsing a name back,
-finding a daemon's socket, and probing for stale ones. Imports no torch until a GPU's tag is asked for."""
+daemon's socket is called (role, rank, GPU and cache identity), the custodian's and the warm engine
+interpreter's, parsing a name back, finding a daemon's socket, and probing for stale ones. Imports no torch
+until a GPU's tag is asked for."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ log = logging.getLogger("weightcache.sockets")
 MAX_SOCKET_PATH = 107
 SUFFIX = ".sock"  # daemons' sockets; the custodian's is not one (`status` and engines list daemons by it)
 CUSTODIAN_NAME = "custodian.ctl"
+WARM_NAME = "warm.ctl"  # the warm engine interpreter (warm/server.py)
 _DAEMON_NAME = re.compile(r"^(?P<role>[a-z]+)-r(?P<rank>\d+)-(?P<dev>[0-9a-z]+)-(?P<hash>[0-9a-f]+)\.sock$")
 
 
@@ -125,6 +127,10 @@ def longest_socket_path(socket_dir: str | Path, roles: list[str], world_size: in
 
 def custodian_socket_path(socket_dir: str | Path) -> Path:
     return Path(socket_dir) / CUSTODIAN_NAME
+
+
+def warm_socket_path(socket_dir: str | Path) -> Path:
+    return Path(socket_dir) / WARM_NAME
 
 
 def daemon_sockets(socket_dir: str | Path) -> list[Path]:
