@@ -472,3 +472,28 @@ def test_command_lines_resolve_as_python_would(tmp_path):
                      ([PY, "--help"], "not supported"), ([PY, "-V"], "not an engine")):
         with pytest.raises(commands.NotPython, match=why):
             commands.resolve(bad, env, "/")
+
+
+# ----------------------------------------------------------------------------------------- preload's handle
+
+def test_the_preload_service_starts_reuses_and_retires(sockdir, fake_pkg, monkeypatch):
+    from weightcache.warm import service
+
+    env = _env(fake_pkg)
+    monkeypatch.setattr(service, "initial_environ", lambda: dict(env))
+    first = service.WarmService(sockdir, imports=["fakeeng"])
+    first.start()
+    path = warm_socket_path(sockdir)
+    _wait_for(lambda: path.exists() and warm_client.check(path, PY, env) == "", "the warm interpreter")
+    pid = warm_client.query(path).pid
+    assert pid == first.proc.pid
+    second = service.WarmService(sockdir, imports=["fakeeng"])
+    second.start()  # fits: reused, nothing started
+    assert second.proc is None and second.reused_pid == pid and second.info()["up"]
+    env["WARM_TEST_MODE"] = "other"  # read when fakeeng was imported: the running one no longer fits
+    third = service.WarmService(sockdir, imports=["fakeeng"])
+    third.start()
+    assert first.proc.wait(T) == 0  # retired
+    _wait_for(lambda: path.exists() and warm_client.query(path).pid == third.proc.pid, "the replacement")
+    third.stop()
+    assert third.proc.wait(T) == 0 and not path.exists()

@@ -14,7 +14,8 @@ log = logging.getLogger("weightcache.cli")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,release,run,warm-engine,demo}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{preload,status,release,run,warm-engine,demo}")
     add_preload_arguments(sub.add_parser(
         "preload", help="start a daemon per rank and keep the weights loaded", description=PRELOAD_DESCRIPTION,
         epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return warm_client.main(argv[1:])
     if argv and argv[0] == "warm-engine":
-        from .warm import server as warm_server
+        from .warm import main as warm_main
 
-        return warm_server.main(argv[1:])
+        return warm_main.main(argv[1:])
     if argv and argv[0] == "demo":
         from . import demo
 

@@ -82,6 +82,10 @@ def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False
                         "same model and flags (an upgrade); `weightcache release` frees them")
     g.add_argument("--weight-cache-no-custodian", action="store_true",
                    help="no custodian: the weights live and die with their daemons")
+    g.add_argument("--warm-engine", "--weight-cache-warm-engine", dest="weight_cache_warm_engine",
+                   action="store_true",
+                   help="also keep an interpreter with torch, vLLM and transformers imported, from which "
+                        "`weightcache run -- vllm serve ...` starts engines without paying the imports")
     g.add_argument("--weight-cache-log-level" if vllm else "--log-level", dest="log_level", default="INFO",
                    choices=LOG_LEVELS)
 
@@ -120,7 +124,8 @@ def run_supervisor(groups, socket_dir, args) -> int:
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
-                         keep_on_stop=args.weight_cache_keep_on_stop)
+                         keep_on_stop=args.weight_cache_keep_on_stop,
+                         warm_engine=getattr(args, "weight_cache_warm_engine", False))
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

@@ -76,7 +76,8 @@ class Supervisor:
     def __init__(self, groups: list[Group], *, socket_dir: str | Path, health_host: str = "127.0.0.1",
                  health_port: int | None = None, start_timeout: float = 3600.0,
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
-                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True):
+                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
+                 warm_engine: bool = False):
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -109,6 +110,8 @@ class Supervisor:
         self._failed_restarts: dict[tuple[str, int], int] = {}
         self._pending: dict[int, float] = {}  # child index -> when to start its replacement
         self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
+        self.warm = None  # warm.service.WarmService with --warm-engine
+        self.warm_engine = warm_engine
 
     @property
     def node_rank(self) -> int:
@@ -156,6 +159,11 @@ class Supervisor:
             self.custody.open()
         else:
             self.custody.note_leftovers()
+        if self.warm_engine:
+            from ..warm.service import WarmService
+
+            self.warm = WarmService(self.socket_dir)
+            self.warm.start()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
                              nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
@@ -311,6 +319,8 @@ class Supervisor:
         self._pending.clear()
         self._terminate_children()
         self._release_held(failure)
+        if self.warm is not None:
+            self.warm.stop(keep=failure is None and self.keep_on_stop and self._stopped_by_signal)
         for rdv in self.rendezvous.values():
             rdv.close()
         if self.http is not None:

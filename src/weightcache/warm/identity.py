@@ -10,13 +10,16 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.metadata
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from .. import __version__
+from .command import PythonCommand
 from .messages import ModuleStamp, Refused
 
 # read at start-up by the interpreter or the dynamic loader, before any import could be watched
@@ -245,3 +248,40 @@ def import_modules(names: list[str], first: dict[str, tuple[str, str | None]], o
             except Exception as e:  # a module of another platform: the engine imports what it needs itself
                 error = e
         on_module(name, time.perf_counter() - t0, error)
+
+
+def startup_modules() -> frozenset[str]:
+    """The modules this interpreter imports before any sys.path[0] exists (no file can shadow those)."""
+    code = "import sys; print(' '.join(sys.modules))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                             stdin=subprocess.DEVNULL)
+        return frozenset(out.stdout.split())
+    except (OSError, subprocess.SubprocessError):
+        return frozenset(sys.builtin_module_names)
+
+
+def shadowed(cmd: PythonCommand, cwd: str, startup: frozenset[str] = frozenset()) -> str:
+    """Why the engine's sys.path[0] would import another copy of a module the warm interpreter holds."""
+    first = engine_path0(cmd, cwd)
+    if not first or sys.flags.safe_path:
+        return ""
+    try:
+        entries = set(os.listdir(first))
+    except OSError:
+        return ""
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    found = {e.split(".")[0] for e in entries if e.endswith(suffixes)}
+    found |= {e for e in entries if os.path.isfile(os.path.join(first, e, "__init__.py"))}
+    for name in sorted(found & {n.split(".")[0] for n in sys.modules} - startup):
+        origin = getattr(sys.modules.get(name), "__file__", None) or ""
+        if not os.path.realpath(origin).startswith(os.path.realpath(first) + os.sep):
+            return (f"{os.path.join(first, name)} would shadow the warm interpreter's {name} "
+                    f"({os.path.dirname(origin) or 'built in'})")
+    return ""
+
+
+def engine_path0(cmd: PythonCommand, cwd: str) -> str:
+    if cmd.kind == "script":
+        return os.path.dirname(os.path.realpath(os.path.join(cwd, cmd.target)))
+    return cwd

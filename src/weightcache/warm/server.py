@@ -12,16 +12,13 @@ The caller's uid is checked with SO_PEERCRED; messages are typed (messages.py) i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import importlib.machinery
 import logging
 import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,11 +26,10 @@ from pathlib import Path
 
 from .. import __version__, wire
 from ..errors import ProtocolError, WeightCacheError
-from ..sockets import ensure_private_dir, take_over_path, warm_socket_path
+from ..sockets import ensure_private_dir, take_over_path
 from . import command as commands
-from .engine import Forked, become
-from .identity import Identity, import_modules
-from .launcher import write_launcher
+from .engine import Forked
+from .identity import Identity, shadowed, startup_modules
 from .messages import (
     MAX_FDS,
     MAX_REQUEST,
@@ -54,9 +50,6 @@ from .messages import (
 
 log = logging.getLogger("weightcache.warm.server")
 
-# vLLM first, as `vllm serve` imports it: its import sets variables (vllm/env_override.py) before torch reads them
-DEFAULT_IMPORTS = ("vllm", "vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.v1.engine.core",
-                   "vllm.v1.executor.multiproc_executor", "torch", "transformers")
 REQUEST_TIMEOUT_S = 5.0
 KILL_GRACE_S = 5.0
 _FD_FLOOR = 64  # the server's own fds live above the numbers engines usually get
@@ -325,7 +318,11 @@ class WarmServer:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()  # nothing of ours may reach the engine's stdout
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            self._reply(conn, Refused(code="internal", message=f"fork failed: {e.strerror or e}"))
+            return None, False
         if pid == 0:
             conn.close()
             return Forked(run=msg, command=cmd, fds=fds, launcher=self.launcher if msg.spawn else ""), False
@@ -434,144 +431,3 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
     except PermissionError:
         pass
-
-
-def startup_modules() -> frozenset[str]:
-    """The modules this interpreter imports before any sys.path[0] exists (no file can shadow those)."""
-    code = "import sys; print(' '.join(sys.modules))"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
-                             stdin=subprocess.DEVNULL)
-        return frozenset(out.stdout.split())
-    except (OSError, subprocess.SubprocessError):
-        return frozenset(sys.builtin_module_names)
-
-
-def shadowed(cmd: commands.PythonCommand, cwd: str, startup: frozenset[str] = frozenset()) -> str:
-    """Why the engine's sys.path[0] would import another copy of a module the warm interpreter holds."""
-    first = engine_path0(cmd, cwd)
-    if not first or sys.flags.safe_path:
-        return ""
-    try:
-        entries = set(os.listdir(first))
-    except OSError:
-        return ""
-    suffixes = tuple(importlib.machinery.all_suffixes())
-    found = {e.split(".")[0] for e in entries if e.endswith(suffixes)}
-    found |= {e for e in entries if os.path.isfile(os.path.join(first, e, "__init__.py"))}
-    for name in sorted(found & {n.split(".")[0] for n in sys.modules} - startup):
-        origin = getattr(sys.modules.get(name), "__file__", None) or ""
-        if not os.path.realpath(origin).startswith(os.path.realpath(first) + os.sep):
-            return (f"{os.path.join(first, name)} would shadow the warm interpreter's {name} "
-                    f"({os.path.dirname(origin) or 'built in'})")
-    return ""
-
-
-def engine_path0(cmd: commands.PythonCommand, cwd: str) -> str:
-    if cmd.kind == "script":
-        return os.path.dirname(os.path.realpath(os.path.join(cwd, cmd.target)))
-    return cwd
-
-
-# ---------------------------------------------------------------------------------------------------- main
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="weightcache warm-engine",
-        description="Keep an interpreter with torch, vLLM and transformers imported (no CUDA context); "
-                    "`weightcache run -- CMD` starts engines from it.")
-    p.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
-    p.add_argument("--import", dest="imports", action="append", default=None, metavar="MODULE",
-                   help=f"a module to import (repeatable; default: {', '.join(DEFAULT_IMPORTS)})")
-    p.add_argument("--ignore-env", action="append", default=[], metavar="NAME",
-                   help="a variable whose value may differ between this interpreter and the engines")
-    p.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="S",
-                   help="when a client dies, SIGKILL its engine this long after SIGTERM")
-    p.add_argument("--no-spawn", action="store_true",
-                   help="engines' multiprocessing spawn children start a fresh interpreter")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    args = p.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [warm-engine] %(name)s: %(message)s"))
-    wc_log = logging.getLogger("weightcache")
-    wc_log.addHandler(handler)
-    wc_log.setLevel(args.log_level)
-    wc_log.propagate = False
-    from ..sockets import default_socket_dir_path
-
-    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir_path()
-    try:
-        ensure_private_dir(socket_dir)
-    except WeightCacheError as e:
-        print(f"weightcache warm-engine: error: {e}", file=sys.stderr)
-        return 2
-    path = warm_socket_path(socket_dir)
-    server, code = prepare(path, args)
-    if server is None:
-        return code
-    forked = server.serve()
-    if forked is None:
-        log.info("retired: exiting")
-        return 0
-    wc_log.removeHandler(handler)
-    wc_log.setLevel(logging.NOTSET)
-    wc_log.propagate = True
-    return become(forked)
-
-
-def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
-    """Import, check, bind; (None, exit code) when there is nothing to serve."""
-    env_at_start = dict(os.environ)
-    _drop_own_path0()
-    imports = args.imports if args.imports is not None else list(DEFAULT_IMPORTS)
-    if not _installed("vllm"):
-        imports = [m for m in imports if m.split(".")[0] != "vllm"]
-    first: dict[str, tuple[str, str | None]] = {}
-    done: list[tuple[str, float]] = []
-
-    def on_module(name, seconds, error):
-        if error is not None:
-            log.warning("import %s failed (%s: %s); engines import it themselves", name, type(error).__name__, error)
-        else:
-            done.append((name, seconds))
-            log.info("imported %s in %.2f s", name, seconds)
-
-    import_modules(imports, first, on_module)
-    identity = Identity(env_at_start, first, set(args.ignore_env))
-    for name, seconds in done:
-        identity.add_module(name, seconds)
-    if cuda_initialized():
-        print("weightcache warm-engine: error: importing " + ", ".join(imports) + " created a CUDA context; an "
-              "engine forked from here could not use CUDA. Leave out the module that does it (--import)",
-              file=sys.stderr)
-        return None, 1
-    launcher = "" if args.no_spawn else write_launcher(path)
-    server = WarmServer(path, identity, kill_grace=args.kill_grace, launcher=launcher)
-    try:
-        if not server.bind():
-            log.info("a warm engine interpreter already serves %s", path)
-            return None, 0
-    except (OSError, WeightCacheError) as e:
-        print(f"weightcache warm-engine: error: {e}", file=sys.stderr)
-        return None, 1
-    mods = ", ".join(f"{m.stamp.distribution or m.stamp.name} {m.stamp.version}".strip() for m in identity.modules
-                     if "." not in m.stamp.name)
-    print(f"weightcache warm-engine READY pid {os.getpid()}: {mods or 'nothing'} imported in "
-          f"{identity.import_seconds:.1f} s; {len(identity.env_names())} environment variable(s) must match; "
-          f"socket {path}", file=sys.stderr, flush=True)
-    return server, 0
-
-
-def _installed(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _drop_own_path0() -> None:
-    """Our own sys.path[0] (the cwd under -m, a bin directory for a console script) is not the engine's."""
-    if sys.path and sys.path[0] not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        sys.path.pop(0)
