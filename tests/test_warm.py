@@ -132,9 +132,10 @@ class Warm:
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def start_warm(sockdir: str, env: dict[str, str], *extra: str) -> Warm:
-    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", sockdir, "--import", "fakeeng",
-            "--kill-grace", "1", *extra]
+def start_warm(sockdir: str, env: dict[str, str], *extra: str, imports=("fakeeng",), timeout: float = T) -> Warm:
+    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", sockdir, "--kill-grace", "1", *extra]
+    for name in imports:
+        argv += ["--import", name]
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd="/")
     log: list[str] = []
@@ -148,7 +149,7 @@ def start_warm(sockdir: str, env: dict[str, str], *extra: str) -> Warm:
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(T) or proc.poll() is not None:
+    if not ready.wait(timeout) or proc.poll() is not None:
         proc.kill()
         raise AssertionError("warm-engine did not start:\n" + "".join(log))
     return Warm(proc, sockdir, env, log)
@@ -497,3 +498,48 @@ def test_the_preload_service_starts_reuses_and_retires(sockdir, fake_pkg, monkey
     _wait_for(lambda: path.exists() and warm_client.query(path).pid == third.proc.pid, "the replacement")
     third.stop()
     assert third.proc.wait(T) == 0 and not path.exists()
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+CUDA_ENGINE = r'''
+import json, os, sys
+import torch
+def use_cuda():
+    x = torch.ones(1 << 20, device="cuda")
+    return [float(x.sum()), torch.cuda.device_count(), torch.cuda.get_device_name(0)]
+if __name__ == "__main__":
+    import multiprocessing as mp
+    mine = use_cuda()
+    with mp.get_context("spawn").Pool(1) as pool:
+        child = pool.apply(use_cuda)
+    print(json.dumps({"mine": mine, "child": child, "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+'''
+
+
+@pytest.mark.gpu
+def test_engines_started_warm_use_cuda_and_so_do_their_spawn_children(sockdir, tmp_path):
+    script = tmp_path / "cuda_engine.py"
+    script.write_text(CUDA_ENGINE)
+    w = start_warm(sockdir, _env(tmp_path), imports=("torch",))
+    try:
+        r = _report(w.run(PY, str(script), env={**w.env, "CUDA_VISIBLE_DEVICES": "0"}))
+        assert r["mine"][:2] == [float(1 << 20), 1] and r["child"][:2] == [float(1 << 20), 1]
+        assert r["cvd"] == "0" and warm_client.query(w.path).started >= 2  # the Pool's worker came warm too
+    finally:
+        w.proc.terminate()
+        w.proc.wait(T)
+
+
+@pytest.mark.gpu
+def test_the_default_imports_make_no_cuda_context(sockdir, tmp_path):
+    pytest.importorskip("vllm")
+    w = start_warm(sockdir, _env(tmp_path), imports=(), timeout=600)  # vLLM, torch, transformers
+    try:
+        status = warm_client.query(w.path)
+        assert {m.name for m in status.modules} >= {"vllm", "torch", "transformers"}
+        cp = w.run(PY, "-c", "import torch; print(torch.cuda.is_initialized(), torch.ones(1, device='cuda').item())")
+        assert cp.returncode == 0 and cp.stdout.split() == ["False", "1.0"], cp.stderr
+    finally:
+        w.proc.terminate()
+        w.proc.wait(T)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -131,6 +132,7 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
               "engine forked from here could not use CUDA. Leave out the module that does it (--import)",
               file=sys.stderr)
         return None, 1
+    _prepare_title()
     launcher = "" if args.no_spawn else write_launcher(path)
     server = WarmServer(path, identity, kill_grace=args.kill_grace, launcher=launcher)
     try:
@@ -146,6 +148,17 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
           f"{identity.import_seconds:.1f} s; {len(identity.env_names())} environment variable(s) must match; "
           f"socket {path}", file=sys.stderr, flush=True)
     return server, 0
+
+
+def _prepare_title() -> None:
+    """setproctitle claims the argv and environ memory on first use; the engines' environment replaces the C
+    environ, after which it could not: claim it now, so that each engine can show its own command line."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    with contextlib.suppress(Exception):
+        setproctitle.setproctitle(setproctitle.getproctitle())
 
 
 def _installed(name: str) -> bool:

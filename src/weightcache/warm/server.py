@@ -156,10 +156,11 @@ class WarmServer:
                 elif kind == "wake":
                     with contextlib.suppress(OSError):
                         os.read(self._wake_r, 512)
-                elif kind == "pidfd":
-                    self._reap(obj)
-                elif kind == "client":
-                    self._client_event(obj)
+                elif kind in ("pidfd", "client"):
+                    try:
+                        (self._reap if kind == "pidfd" else self._client_event)(obj)
+                    except Exception:  # one engine's trouble must not end the service
+                        log.exception("while handling engine pid %d", obj.pid)
             self._kill_overdue()
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
