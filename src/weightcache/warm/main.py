@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -133,6 +134,8 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
               file=sys.stderr)
         return None, 1
     _prepare_title()
+    gc.collect()
+    gc.freeze()  # what the imports made is shared with every engine: no GC pass of theirs copies its pages
     launcher = "" if args.no_spawn else write_launcher(path)
     server = WarmServer(path, identity, kill_grace=args.kill_grace, launcher=launcher)
     try:
