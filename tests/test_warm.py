@@ -72,6 +72,8 @@ elif mode == "spawn":
         q.put(["fakeeng" in sys.modules, os.getpid()])
         sys.exit(code)
     if __name__ == "__main__":
+        if len(sys.argv) > 2:
+            os.environ["WARM_TEST_MODE"] = sys.argv[2]  # the child's imports would see another value
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q, 5))
@@ -314,6 +316,11 @@ def test_spawn_children_come_from_the_warm_interpreter(warm, engine_script):
     assert r["warm"] and r["exitcode"] == 5 and r["child"] != r["parent"]
     cold = _report(warm.run(PY, str(engine_script), "spawn", args=("--no-spawn",)))
     assert not cold["warm"] and cold["exitcode"] == 5
+    cp = warm.run(PY, str(engine_script), "spawn", "other")  # refused for the child: it starts cold, one line
+    r = _report(cp)
+    assert r["exitcode"] == 5 and not r["warm"]
+    lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("weightcache warm spawn:")]
+    assert lines and all("WARM_TEST_MODE" in ln for ln in lines), cp.stderr
 
 
 # ----------------------------------------------------------------------------------------- refusals, fallback
