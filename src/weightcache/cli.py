@@ -1,4 +1,5 @@
-"""`weightcache preload | status | demo`."""
+"""`weightcache preload | status | release | demo`: the command line; each command's work lives elsewhere (the
+preload front ends in ``weightcache.preload``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import sys
 from pathlib import Path
 
 from .preload.frontend import PRELOAD_DESCRIPTION, PRELOAD_EPILOG, add_preload_arguments, preload_main
+from .preload.options import UsageError
 
 log = logging.getLogger("weightcache.cli")
+
+__all__ = ["UsageError", "build_parser", "main"]
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
