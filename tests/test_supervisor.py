@@ -325,7 +325,8 @@ def oversized_on(placement, *, oom_rank: int, **kw):
 
 
 def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplog):
-    from weightcache.preload.supervisor import EXIT_OOM, Group, Supervisor
+    from weightcache.preload.child import EXIT_OOM
+    from weightcache.preload.supervisor import Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"

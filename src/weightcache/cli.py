@@ -197,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(argv[1:]) or 0
     if argv and argv[0] == "preload":
         rest = argv[1:]
+        from .preload.restart import restart
+
+        code = restart(rest)  # the same preload again, its caches held: back without the engine
+        if code is not None:
+            return code
         if _engine_of(rest) == "vllm":
             from .preload import vllm_frontend as vllm_preload
 

@@ -86,6 +86,7 @@ class DaemonStatus(msgspec.Struct, tag="status_reply", kw_only=True):
     attach_seconds_count: int = 0
     attach_seconds_buckets: list[int] = []
     info: dict[str, str] = {}
+    phases: dict[str, float] = {}  # seconds the load spent in each phase (reading, building, packing, ...)
 
 
 class Ping(msgspec.Struct, tag="ping"):

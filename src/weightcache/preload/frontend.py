@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LayoutError
-from .layout import Layout
+from .layout import Layout, LoopbackLayout
 from .options import (
     UsageError,
     add_weight_cache_arguments,
@@ -115,16 +115,6 @@ def layouts_from_args(args, device_type: str, local_devices: int | None):
     except LayoutError as e:
         raise UsageError(str(e)) from None
     return main, draft
-
-
-class LoopbackLayout(Layout):
-    """A Layout whose "nodes" may share one host over loopback (--weight-cache-allow-loopback-nodes)."""
-
-    def _check_addresses(self) -> None:
-        if self.nodes > 1 and self.dp_local is None and not self.master_addr:
-            raise LayoutError(f"{self.nodes} nodes need --master-addr (the same on every node)")
-        if self.dp_local is not None and self.dp_local < self.dp and not (self.dp_address or self.master_addr):
-            raise LayoutError(f"data parallel across {self.nodes} nodes needs --data-parallel-address")
 
 
 def resolve_ports(args, nodes: int, has_draft: bool) -> tuple[int, int]:
@@ -260,13 +250,13 @@ def preload_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        return _preload(args)
+        return _preload(args, argv)
     except UsageError as e:
         print(f"weightcache preload: error: {e}", file=sys.stderr)
         return 2
 
 
-def _preload(args) -> int:
+def _preload(args, argv: list[str]) -> int:
     from .supervisor import Group
 
     model = args.model or args.model_pos
@@ -347,4 +337,4 @@ def _preload(args) -> int:
                             key_args={"revision": args.revision}, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
     socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, roles, world, device)
-    return run_supervisor(groups, socket_dir, args)
+    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=[p[1] for p in plans])

@@ -109,10 +109,20 @@ def resolve_socket_dir(explicit: str | None, roles: list[str], world_size: int, 
         raise UsageError(f"{e}" + (" (--weight-cache-socket-dir)" if explicit else "")) from None
 
 
-def run_supervisor(groups, socket_dir, args) -> int:
-    """Run the daemon groups with the --weight-cache-* options every preload front end shares."""
+def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, checkpoints=()) -> int:
+    """Run the daemon groups with the --weight-cache-* options every preload front end shares. ``argv`` and
+    ``checkpoints``: the preload's command line and checkpoint directories, remembered once READY for a
+    restart that needs no engine (``record.py``)."""
+    from .record import checkpoint_stamps
     from .supervisor import StartError, Supervisor
 
+    remember = None
+    if argv is not None and not args.weight_cache_no_custodian:
+        try:
+            remember = {"argv": list(argv), "checkpoints": [str(Path(c).resolve()) for c in checkpoints],
+                        "stamps": checkpoint_stamps(checkpoints)}
+        except OSError:
+            remember = None
     try:
         sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
                          health_port=args.weight_cache_health_port,
@@ -120,7 +130,7 @@ def run_supervisor(groups, socket_dir, args) -> int:
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
-                         keep_on_stop=args.weight_cache_keep_on_stop)
+                         keep_on_stop=args.weight_cache_keep_on_stop, remember=remember)
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from ..key import CacheKey
 from .child import (
     ADOPT,
@@ -42,6 +44,7 @@ from .child import (
     _raise_terminated,
     _Terminated,
     child_main,
+    dump_modules,
     exit_code_of,
 )
 from .custody import Custody
@@ -76,7 +79,12 @@ class Supervisor:
     def __init__(self, groups: list[Group], *, socket_dir: str | Path, health_host: str = "127.0.0.1",
                  health_port: int | None = None, start_timeout: float = 3600.0,
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
-                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True):
+                 custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
+                 remember: dict | None = None, local_rendezvous: bool = False):
+        """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
+        supervisor writes them with every rank's key into a record its own restart comes back from
+        (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
+        restart from a record): on one node it is kept in process, without torch."""
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -103,12 +111,13 @@ class Supervisor:
         self._marked: set[str] = set()
         self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
         self.custody = Custody(self.socket_dir)  # the custodian keeps the caches past their daemons
-        self._stopped_by_signal = False
+        self.stopped_by_signal = False
         self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
         self.restarts: dict[tuple[str, int], int] = {}
         self._failed_restarts: dict[tuple[str, int], int] = {}
         self._pending: dict[int, float] = {}  # child index -> when to start its replacement
         self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
+        self.remember, self.local_rendezvous = remember, local_rendezvous
 
     @property
     def node_rank(self) -> int:
@@ -130,7 +139,7 @@ class Supervisor:
             code = self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
-            self._stopped_by_signal = True
+            self.stopped_by_signal = True
             if not self.ready:  # the other nodes must not wait for this one
                 failure = StartError(f"node {self.node_rank} was stopped ({t}) during start-up", 0)
         except BaseException as e:
@@ -158,7 +167,8 @@ class Supervisor:
             self.custody.note_leftovers()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
-                             nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
+                             nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout,
+                             local=self.local_rendezvous)
             self.rendezvous[g.role] = rdv
             g.master_port = rdv.start()
         n = sum(len(g.layout.local_placements()) for g in self.groups)
@@ -187,7 +197,38 @@ class Supervisor:
             slowest = max(float(c.ready_info.get("load_seconds", 0)) for c in adopted)
             log.info("%d of %d daemon(s) took their weights from the custodian (no load; the slowest in %.1f ms)",
                      len(adopted), len(self.children), slowest * 1e3)
+        self._write_record()
+        dump_modules("supervisor")
         self._print_ready()
+
+    def _write_record(self) -> None:
+        """What a restart of this very preload needs to come back without the engine (``record.py``)."""
+        if self.remember is None or self.custody.client is None:
+            return
+        from . import record
+
+        groups = []
+        for g in self.groups:
+            mine = [c for c in self.children if c.spec.role == g.role]
+            groups.append({"role": g.role, "layout": record.layout_fields(g.layout), "master_addr": g.master_addr,
+                           "master_port": g.master_port if g.layout.nodes > 1 else 0, "info": dict(g.info),
+                           "ranks": [{"rank": c.spec.placement.rank, "key": msgspec.to_builtins(c.key),
+                                      "socket": c.socket, "gpu_uuid": c.gpu_uuid} for c in mine]})
+        r = self.remember
+        try:
+            unchanged = record.checkpoint_stamps(r["checkpoints"]) == r["stamps"]
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            log.warning("the checkpoint changed while it loaded: no restart record (the next start loads again)")
+            return
+        options = {"health_host": self.health_host, "health_port": self.health_port,
+                   "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
+                   "log_level": self.log_level, "keep_on_stop": self.keep_on_stop}
+        record.write(record.Record(
+            rid=record.record_id(r["argv"]), argv=list(r["argv"]), socket_dir=str(self.socket_dir),
+            checkpoints=[str(c) for c in r["checkpoints"]], stamps=r["stamps"], groups=groups,
+            options=options, created_at=time.time()))
 
     def hold(self) -> int:
         """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503) and
@@ -300,7 +341,7 @@ class Supervisor:
 
     def _release_held(self, failure: BaseException | None) -> None:
         self.custody.owned.update(Path(c.socket).name for c in self.children if c.socket)
-        self.custody.finish(keep=failure is None and self.keep_on_stop and self._stopped_by_signal)
+        self.custody.finish(keep=failure is None and self.keep_on_stop and self.stopped_by_signal)
 
     def shutdown(self, failure: BaseException | None = None) -> None:
         from .rendezvous import RendezvousError
@@ -325,7 +366,8 @@ class Supervisor:
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
-                         custodian=self.custody.socket, loads_alone=g.loads_alone)
+                         custodian=self.custody.socket, loads_alone=g.loads_alone,
+                         gpu_uuid=g.gpu_uuids.get(p.rank, ""))
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:

@@ -112,14 +112,15 @@ def plan_groups(args, vllm_config) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = _strip_engine(given)
     parser = build_parser()
     args = parser.parse_args(argv)
     from .options import configure_logging
 
     configure_logging(args.log_level)
     try:
-        return _preload(args)
+        return _preload(args, given)
     except Exception as e:
         from ..errors import WeightCacheError
         from .options import UsageError
@@ -146,7 +147,7 @@ def _download_and_hash(vllm_config) -> None:
     from vllm.model_executor.model_loader import get_model_loader
 
     from ..digests import checkpoint_digest
-    from ..integrations.vllm.producer import local_checkpoint_dir
+    from ..integrations.vllm.common import local_checkpoint_dir
 
     for mc in _model_configs(vllm_config):
         if not os.path.isdir(str(mc.model)):
@@ -154,7 +155,7 @@ def _download_and_hash(vllm_config) -> None:
         checkpoint_digest(local_checkpoint_dir(mc))
 
 
-def _preload(args) -> int:
+def _preload(args, argv: list[str]) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
     from .options import UsageError, resolve_socket_dir, run_supervisor
@@ -173,7 +174,10 @@ def _preload(args) -> int:
     groups = plan_groups(args, vllm_config)
     socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, [g.role for g in groups],
                              max(g.layout.world_size for g in groups), groups[0].layout.device_type)
-    return run_supervisor(groups, socket_dir, args)
+    from ..integrations.vllm.common import local_checkpoint_dir
+
+    checkpoints = [local_checkpoint_dir(mc) for mc in _model_configs(vllm_config)]
+    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=checkpoints)
 
 
 if __name__ == "__main__":
