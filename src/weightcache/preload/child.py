@@ -69,10 +69,23 @@ class ChildSpec:
     loads_alone: bool = True
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
     gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
+    preimport: tuple = ()  # modules a load will need, imported while the daemon waits for "go"
 
 
 class NotHeld(WeightCacheError):
     """This rank's cache had to be taken from the custodian, and it holds none: the preload starts again in full."""
+
+
+def _preimport(modules: tuple) -> None:
+    """Import what a load will need while the supervisor still hashes and the nodes agree (a load that comes
+    meanwhile waits on Python's import lock; a daemon that adopts its cache simply never uses them)."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - the load imports it again and says what is wrong
+            log.debug("pre-import of %s failed: %s", m, e)
 
 
 def dump_modules(name: str) -> None:
@@ -189,6 +202,8 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         daemon.start()
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
               gpu_uuid=daemon._gpu_uuid)
+        if spec.preimport:
+            threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport", daemon=True).start()
         while not go.wait(0.5):
             pass
         if mode[0] != LOAD and daemon.adopt():

@@ -32,6 +32,7 @@ class Group:
     info: dict = field(default_factory=dict)
     loads_alone: bool = True  # a rank's source loads without its peers (False: vLLM's loader with a process group)
     gpu_uuids: dict = field(default_factory=dict)  # rank -> its GPU's UUID, where known ahead (no torch needed)
+    preimport: tuple = ()  # modules a load needs: the daemons import them while they wait to load
 
 
 def default_key(source, placement: Placement, *, layout: str, role: str, **base) -> CacheKey:

@@ -367,7 +367,7 @@ class Supervisor:
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
                          custodian=self.custody.socket, loads_alone=g.loads_alone,
-                         gpu_uuid=g.gpu_uuids.get(p.rank, ""))
+                         gpu_uuid=g.gpu_uuids.get(p.rank, ""), preimport=tuple(g.preimport))
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:

@@ -214,7 +214,11 @@ class TransformersSource(Producer):
             if p.tp_size > 1:
                 _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
                 dist_config = distributed_config_for(p, self.enable_expert_parallel)
+            t0 = time.monotonic()
+            import transformers.modeling_utils  # noqa: F401 - pre-imported while the daemon waited, or now
+
             began = time.monotonic()
+            daemon.phases["imports"] = began - t0
             read = None
             if self.reader == "weightcache":
                 read = ReadSettings.make(progress=p.local_index == 0)

@@ -307,12 +307,15 @@ class WeightCacheModelLoader(BaseModelLoader):
         role = "draft" if is_draft_load(vllm_config, model_config) else "main"
         t0 = time.perf_counter()
         path = None
+        spent = self.spent = {}
         try:
-            key = self._key(vllm_config, model_config)
-            path = self._find(key, device)
+            with _timed(spent, "key"):
+                key = self._key(vllm_config, model_config)
+                path = self._find(key, device)
             log.info("attaching the %s model (rank %d) from %s", role, key.rank, path)
             try:
-                att = attach(path, expect=key, mode=self.options.mode)  # the key is checked even while loading
+                with _timed(spent, "attach"):
+                    att = attach(path, expect=key, mode=self.options.mode)  # the key is checked while loading too
             except DaemonNotReady as e:
                 if e.state != "loading":
                     raise
@@ -330,8 +333,9 @@ class WeightCacheModelLoader(BaseModelLoader):
                 record_fallback(str(path), role == "draft")
             return self._disk_load(vllm_config, model_config, prefix)
         model = self._build(vllm_config, model_config, prefix, att, device)
-        log.info("attached %d tensors (%.2f GiB, mode=%s) for the %s model in %.2f s", len(att),
-                 att.nbytes / 2**30, self.options.mode, role, time.perf_counter() - t0)
+        log.info("attached %d tensors (%.2f GiB, mode=%s) for the %s model in %.3f s (%s)", len(att),
+                 att.nbytes / 2**30, self.options.mode, role, time.perf_counter() - t0,
+                 ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in spent.items()))
         return model
 
     def _disk_load(self, vllm_config, model_config, prefix):
@@ -347,16 +351,19 @@ class WeightCacheModelLoader(BaseModelLoader):
 
         from .common import check_quantization, read_meta
 
+        spent = getattr(self, "spent", {})
         meta = read_meta(att)
-        with set_default_torch_dtype(model_config.dtype):
+        with _timed(spent, "skeleton"), set_default_torch_dtype(model_config.dtype):
             model = _skeleton(lambda: initialize_model(vllm_config=vllm_config, model_config=model_config,
                                                        prefix=prefix), device,
                               vllm_config.compilation_config.static_forward_context)
-        check_quantization(model)
-        apply_deletions(model, meta.get("deleted", ()))
-        bind_tensors(model, dict(att.tensors), att.roles, meta)
-        apply_scalars(model, meta.get("scalars", {}))
-        rebuild_kernels(model, meta.get("rebuild", ()))
+        with _timed(spent, "bind"):
+            check_quantization(model)
+            apply_deletions(model, meta.get("deleted", ()))
+            bind_tensors(model, dict(att.tensors), att.roles, meta)
+            apply_scalars(model, meta.get("scalars", {}))
+        with _timed(spent, "kernels"):
+            rebuild_kernels(model, meta.get("rebuild", ()))
         missing = leftover_meta(model, device)
         if missing:
             raise WeightCacheError(
@@ -371,6 +378,15 @@ class WeightCacheModelLoader(BaseModelLoader):
             get_layerwise_info(module).restore_device = device
         model.__dict__["_weightcache_attachment"] = att  # keeps the daemon connection (and count) open
         return model.eval()
+
+
+@contextlib.contextmanager
+def _timed(spent: dict, what: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent[what] = spent.get(what, 0.0) + time.perf_counter() - t
 
 
 def _diffs(expected, actual):
