@@ -382,7 +382,7 @@ def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads)
         err = n.stderr
         assert code != 0, err
         assert "node 1's checkpoint stamp differs from node 0's (content_digest)" in err, err
-        assert "content_digest: node 0 has 'sha256:" in err
+        assert "content_digest: node 0 has 'blake3:" in err
         assert not n.out
     assert sockets(tmp_path / "s0") == [] and sockets(tmp_path / "s1") == []
 
