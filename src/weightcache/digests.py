@@ -174,7 +174,7 @@ def _hashing_lock(folders: list[str], nbytes: int, cancelled: Callable[[], bool]
                 fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError:
                 continue
-            said = time.monotonic() + 1.0
+            said = time.monotonic() + 10.0
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
