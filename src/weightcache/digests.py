@@ -49,10 +49,6 @@ class DigestError(WeightCacheError, OSError):
         self.errno = code
 
 
-class _Cancelled(Exception):
-    pass
-
-
 # --- the hash functions ---------------------------------------------------------------------------------
 
 _warned_no_blake3 = False
@@ -183,7 +179,7 @@ def _hashing_lock(folders: list[str], nbytes: int, cancelled: Callable[[], bool]
                 except BlockingIOError:
                     if cancelled():
                         os.close(fd)
-                        raise _Cancelled() from None
+                        raise concurrent.futures.CancelledError() from None
                     now = time.monotonic()
                     if now > deadline:
                         log.warning("another process has hashed in %s for too long: hashing here as well", folder)
@@ -249,7 +245,7 @@ class _Job:
         if self.errors:
             raise min(self.errors, key=lambda e: e[0])[1]
         if self.stop.is_set():
-            raise _Cancelled()
+            raise concurrent.futures.CancelledError()
 
     def _stopped(self, idx: int) -> bool:
         if not self.stop.is_set() and self.cancelled():
@@ -372,7 +368,8 @@ def file_digests(paths: Iterable[str | Path], *, threads: int | None = None, nic
                  cancelled: Callable[[], bool] = _never) -> list[str]:
     """The digest of each file's bytes, in order. Remembered in the digest cache by (real path, stamp_of), so
     a second call only stats; anything else is hashed, on `threads` threads (default: every core), each
-    `nice` steps below the caller's priority. Raises DigestError (an OSError) naming the file."""
+    `nice` steps below the caller's priority. Raises DigestError (an OSError) naming the file, or
+    CancelledError within one read per thread once `cancelled()` is true."""
     paths = [Path(p) for p in paths]
     algo = algorithm()
     cache_path = digest_cache_path()
@@ -471,7 +468,7 @@ def start_checkpoint_digest(path: str | Path, *, threads: int | None = None,
         try:
             digests = file_digests(files, threads=threads, nice=nice, cancelled=fut.cancelled)
             result = combine(algorithm(), [f.name for f in files], digests)
-        except _Cancelled:
+        except concurrent.futures.CancelledError:
             fut.set_running_or_notify_cancel()
             return
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the Future
