@@ -7,8 +7,9 @@ chunks, read with preads, one pool over files and chunks) against the alternativ
   tree-blake3-mmap   the same tree, leaves hashed straight from mmap (no copy; a file cut short: SIGBUS)
   tree-sha256-pread  the tree with SHA-256 leaves (the fallback without the blake3 package)
 
-GB/s is wall-clock (best of --reps); "GB/cpu-s" is bytes over the process's CPU seconds, which other load on
-the machine does not change, so "per core" rates and the scaling can be read on a shared machine too.
+GB/s is wall-clock (best of --reps); "GB/cpu-s" is bytes over the process's CPU seconds (the rate per busy
+core, which other load on the machine barely changes) and "cores used" the CPU seconds over the wall time: on
+a shared machine, a thread count that gets no more cores shows there, not as a slower hash.
 With --with-load, a CPU "load" (L threads copying the files into one buffer, as the CPU fill does) runs
 alone and then beside the hash at each --load-threads/--nice setting: its slowdown is the cost of the overlap.
 
@@ -123,7 +124,8 @@ def measure(fn, paths, threads: int, reps: int, nbytes: int) -> dict:
         cpus.append(cpu_seconds() - c0)
     best = min(walls)
     return {"threads": threads, "best_gbs": nbytes / best / 1e9, "median_gbs": nbytes / statistics.median(walls) / 1e9,
-            "gb_per_cpu_s": nbytes / statistics.median(cpus) / 1e9, "walls_s": walls, "cpu_s": cpus}
+            "gb_per_cpu_s": nbytes / statistics.median(cpus) / 1e9,
+            "cores_used": statistics.median(cpus) / statistics.median(walls), "walls_s": walls, "cpu_s": cpus}
 
 
 class Load:
@@ -207,11 +209,13 @@ def main() -> int:
     if a.threads is None:
         a.threads = sorted({1, *[2**i for i in range(1, 8) if 2**i <= cores], cores})
     paths = make_files(Path(a.dir), a.files, a.file_mb << 20)
+    load_before = os.getloadavg()
     nbytes = sum(p.stat().st_size for p in paths)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"{a.files} file(s) x {a.file_mb} MiB in {a.dir}, {cores} core(s): {cpu}; blake3 {blake3.__version__}")
-    print(f"{'variant':20s} {'threads':>7s} {'best GB/s':>10s} {'median':>8s} {'GB/cpu-s':>9s} {'x 1 thread':>10s}")
+    print(f"{'variant':20s} {'threads':>7s} {'best GB/s':>10s} {'median':>8s} {'GB/cpu-s':>9s} {'cores used':>10s} "
+          f"{'x 1 thread':>10s}")
     rows = []
     for name in a.variants:
         first = None
@@ -221,8 +225,8 @@ def main() -> int:
             r["scaling"] = r["best_gbs"] / first
             rows.append(r)
             print(f"{name:20s} {t:7d} {r['best_gbs']:10.2f} {r['median_gbs']:8.2f} {r['gb_per_cpu_s']:9.2f} "
-                  f"{r['scaling']:10.2f}")
-    result = {"cpu": cpu, "cores": cores, "kernel": platform.release(),
+                  f"{r['cores_used']:10.2f} {r['scaling']:10.2f}")
+    result = {"cpu": cpu, "cores": cores, "loadavg": [load_before, os.getloadavg()], "kernel": platform.release(),
               "python": platform.python_version(), "blake3": blake3.__version__, "dir": a.dir, "files": a.files,
               "file_bytes": a.file_mb << 20, "reps": a.reps, "chunk": dg.CHUNK, "read": dg.READ, "rows": rows}
     if a.with_load:
