@@ -74,12 +74,19 @@ def test_file_digest_matches_the_format(tmp_path, size):
     assert file_digest(write(tmp_path / "f.safetensors", data)) == ref_file(data)
 
 
-def test_known_answers():
-    # fixed vectors: the format may only change with a new prefix (and key.ABI_VERSION)
-    assert ref_file(b"") == "blake3-tree-16m:" + blake3.blake3(
-        b"weightcache file tree v1\n" + bytes(8) + MIB16.to_bytes(8, "little")).hexdigest()
-    assert blake3.blake3(b"").hexdigest() == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
-    assert dg.tree_digest("blake3", 3, [blake3.blake3(b"abc").digest()]) == ref_file(b"abc")
+def test_known_answers(tmp_path):
+    """Fixed vectors: the format may change only with a new prefix (and key.ABI_VERSION)."""
+    pattern = (bytes(range(256)) * (2 * MIB16 // 256 + 1))[:2 * MIB16 + 5]
+    want = {b"": "934087d33820cd6f6450c2eda6eed9d7988ea4cb0c8966650c0b209ea557f639",
+            b"abc": "c8ad02b4af9859b91ec8e08b2ad7fa140a77f703bc9fd942a12c96683b83c872",
+            pattern: "43b2157c418e742976c37ce2da2938fd5ed52715f1cd774ea0df1349a190e809"}
+    for i, (data, hexdigest) in enumerate(want.items()):
+        assert file_digest(write(tmp_path / f"f{i}", data)) == ref_file(data) == "blake3-tree-16m:" + hexdigest
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write(ckpt / "model.safetensors", b"abc")
+    write(ckpt / "config.json", b"{}")
+    assert checkpoint_digest(ckpt) == "blake3:6f6579bcc705ae1868b0319d6d7ffb2985ae15e9a1e690842d838ad5829a6475"
 
 
 def test_chunk_order_and_boundaries_count(tmp_path):
