@@ -290,7 +290,7 @@ class _Job:
     def _open(self, f: _File) -> None:
         f.started_ns = time.time_ns()
         try:
-            f.fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+            f.fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO: an error, no hang
             st = os.fstat(f.fd)
         except OSError as e:
             raise DigestError(f"cannot read {f.path} to hash it: {e.strerror or e}", e.errno) from None
