@@ -365,8 +365,11 @@ def test_unreadable_file_is_one_clear_error(tmp_path):
     ok = write(tmp_path / "b.safetensors", b"fine" * 100)
     with pytest.raises(DigestError) as e:
         file_digests([ok, tmp_path / "a-dir.safetensors"], threads=2)
-    assert str(e.value) == f"cannot read {tmp_path / 'a-dir.safetensors'} to hash it: Is a directory"
-    assert isinstance(e.value, OSError) and e.value.errno == 21  # front ends catch OSError
+    assert str(e.value) == f"cannot read {tmp_path / 'a-dir.safetensors'} to hash it: not a regular file"
+    assert isinstance(e.value, OSError)  # front ends catch OSError
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    with pytest.raises(DigestError, match="fifo.safetensors to hash it: not a regular file"):
+        file_digests([tmp_path / "fifo.safetensors"])  # no hang on open
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")

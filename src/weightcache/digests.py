@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -294,6 +295,8 @@ class _Job:
             st = os.fstat(f.fd)
         except OSError as e:
             raise DigestError(f"cannot read {f.path} to hash it: {e.strerror or e}", e.errno) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise DigestError(f"cannot read {f.path} to hash it: not a regular file", errno.EINVAL)
         f.stamp = stamp_of(st)
         if st.st_size != f.size:
             raise _changed(f)
