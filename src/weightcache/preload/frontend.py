@@ -318,12 +318,12 @@ def _preload(args, argv: list[str]) -> int:
         except ValueError as e:
             raise UsageError(f"--dtype: {e}") from None
 
-    from ..digests import checkpoint_digest
+    from ..digests import start_checkpoint_digest
 
-    groups = []
+    groups, digests = [], []
     for role, path, layout, port in plans:
-        try:
-            checkpoint_digest(path)  # hashed once here; every daemon then only stat()s the files
+        try:  # hashed once, here, while the daemons start; they wait for it, then only stat() the files
+            digests.append((f"{role} model {path}", start_checkpoint_digest(path, nice=10)))
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":
@@ -350,4 +350,4 @@ def _preload(args, argv: list[str]) -> int:
                             key_args={"revision": args.revision}, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
     socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, roles, world, device)
-    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=[p[1] for p in plans])
+    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=[p[1] for p in plans], digests=digests)

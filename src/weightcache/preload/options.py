@@ -109,10 +109,11 @@ def resolve_socket_dir(explicit: str | None, roles: list[str], world_size: int, 
         raise UsageError(f"{e}" + (" (--weight-cache-socket-dir)" if explicit else "")) from None
 
 
-def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, checkpoints=()) -> int:
+def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, checkpoints=(), digests=()) -> int:
     """Run the daemon groups with the --weight-cache-* options every preload front end shares. ``argv`` and
     ``checkpoints``: the preload's command line and checkpoint directories, remembered once READY for a
-    restart that needs no engine (``record.py``)."""
+    restart that needs no engine (``record.py``). ``digests``: (what, Future) of checkpoint hashes started by
+    the front end; the start fails in one line if one does."""
     from .record import checkpoint_stamps
     from .supervisor import StartError, Supervisor
 
@@ -130,7 +131,8 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
-                         keep_on_stop=args.weight_cache_keep_on_stop, remember=remember)
+                         keep_on_stop=args.weight_cache_keep_on_stop, remember=remember,
+                         digests=list(digests))
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

@@ -34,7 +34,10 @@ def relevant_env(environ=None) -> dict[str, str]:
 
 def record_id(argv: list[str], cwd: str | None = None, environ=None) -> str:
     """Which preload this is: its arguments, working directory, Python and relevant environment."""
-    what = {"argv": list(argv), "cwd": cwd or os.getcwd(), "python": sys.executable, "env": relevant_env(environ)}
+    from ..key import ABI_VERSION
+
+    what = {"argv": list(argv), "cwd": cwd or os.getcwd(), "python": sys.executable, "env": relevant_env(environ),
+            "abi": ABI_VERSION}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

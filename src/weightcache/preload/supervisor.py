@@ -80,7 +80,7 @@ class Supervisor:
                  health_port: int | None = None, start_timeout: float = 3600.0,
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
-                 remember: dict | None = None, local_rendezvous: bool = False):
+                 remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None):
         """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
         supervisor writes them with every rank's key into a record its own restart comes back from
         (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
@@ -118,6 +118,7 @@ class Supervisor:
         self._pending: dict[int, float] = {}  # child index -> when to start its replacement
         self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
         self.remember, self.local_rendezvous = remember, local_rendezvous
+        self.digests = list(digests or [])  # (what, Future): checkpoint hashes running while the daemons start
 
     @property
     def node_rank(self) -> int:
@@ -177,6 +178,7 @@ class Supervisor:
         for g in self.groups:
             for p in g.layout.local_placements():
                 self._spawn(g, p)
+        self._await_digests()
         self._wait_for(lambda: all(c.state in ("started", "ready") for c in self.children), "to open its socket")
         self._prune()
         held = {g.role: self._held_here(g) for g in self.groups}
@@ -200,6 +202,16 @@ class Supervisor:
         self._write_record()
         dump_modules("supervisor")
         self._print_ready()
+
+    def _await_digests(self) -> None:
+        """The checkpoint hashes the front end started (the daemons wait for them to derive their keys)."""
+        for what, fut in self.digests:
+            try:
+                fut.result(timeout=self.start_timeout)
+            except OSError as e:
+                raise StartError(f"{what}: {e}", 2) from None
+            except TimeoutError:
+                raise StartError(f"{what}: hashing the checkpoint took longer than the start timeout", 1) from None
 
     def _write_record(self) -> None:
         """What a restart of this very preload needs to come back without the engine (``record.py``)."""
@@ -344,6 +356,8 @@ class Supervisor:
         self.custody.finish(keep=failure is None and self.keep_on_stop and self.stopped_by_signal)
 
     def shutdown(self, failure: BaseException | None = None) -> None:
+        for _, fut in self.digests:
+            fut.cancel()
         from .rendezvous import RendezvousError
 
         if failure is not None and not isinstance(failure, RendezvousError):
