@@ -19,9 +19,13 @@ from ..custodian.messages import CustodianUnresponsive, Holding
 from ..errors import WeightCacheError
 from ..progress import human_bytes
 from ..sockets import custodian_socket_path, remove_if_stale
-from .options import DEFAULT_HOLD_AFTER_EXIT_S
 
 log = logging.getLogger("weightcache.supervisor")
+
+# A preload that is gone (SIGKILL, OOM kill, a crash) leaves its weights with the custodian this long: enough for
+# a supervisor to start it again (systemd at once; Kubernetes after at most a 5-minute crash back-off, plus the
+# new preload's own start), short enough that memory no one comes back for returns within minutes.
+DEFAULT_HOLD_AFTER_EXIT_S = 600.0
 
 WATCH_PERIOD_S = 1.0
 PROBE_TIMEOUT_S = 2.0

@@ -10,11 +10,9 @@ import math
 import sys
 from pathlib import Path
 
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S
+
 DEFAULT_HEALTH_HOST = "127.0.0.1"
-# A preload that is gone (SIGKILL, OOM kill, a crash) leaves its weights with the custodian this long: enough for
-# a supervisor to start it again (systemd at once; Kubernetes after at most a 5-minute crash back-off, plus the
-# new preload's own start), short enough that memory no one comes back for returns within minutes.
-DEFAULT_HOLD_AFTER_EXIT_S = 600.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -47,10 +47,9 @@ from .child import (
     dump_modules,
     exit_code_of,
 )
-from .custody import Custody
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S, Custody
 from .group import Group, default_key, stamp_of
 from .layout import Placement
-from .options import DEFAULT_HOLD_AFTER_EXIT_S
 
 log = logging.getLogger("weightcache.preload.supervisor")
 
