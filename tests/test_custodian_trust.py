@@ -20,11 +20,11 @@ from test_custodian import (
     KEY,
     NAME,
     _sock,
-    custodian,  # noqa: F401 - a fixture
     custodian_log,
     held_daemon,
     one_block,
     register,
+    registered_custodian,
     sealed_memfd,
     wait_for,
 )
@@ -74,7 +74,12 @@ os.rename(out + ".tmp", out)
 """
 
 
-def test_a_process_outside_the_preload_can_neither_claim_nor_poison(sockdir, custodian, tmp_path):  # noqa: F811
+@pytest.fixture
+def custodian(sockdir):
+    yield from registered_custodian(sockdir)
+
+
+def test_a_process_outside_the_preload_can_neither_claim_nor_poison(sockdir, custodian, tmp_path):
     """The issue's attack: claim the cache, then deposit an unsealed memfd under its name for the next
     replacement daemon. Refused at every step, even with the preload's credential (not its process)."""
     first, how = start_held_daemon(_sock(sockdir), str(custodian.path), token=custodian.token)
@@ -117,7 +122,7 @@ SEALS = {
 
 
 @pytest.mark.parametrize("case", SEALS, ids=list(SEALS))
-def test_a_memfd_that_could_change_or_is_missized_is_refused(sockdir, custodian, case):  # noqa: F811
+def test_a_memfd_that_could_change_or_is_missized_is_refused(sockdir, custodian, case):
     import fcntl
 
     letters, size, message = SEALS[case]
@@ -135,7 +140,7 @@ def test_a_memfd_that_could_change_or_is_missized_is_refused(sockdir, custodian,
     assert len(new) == 1 and "refused a deposit" in new[0] and message in new[0], new
 
 
-def test_a_memfd_sealed_against_future_writes_is_held(sockdir, custodian):  # noqa: F811
+def test_a_memfd_sealed_against_future_writes_is_held(sockdir, custodian):
     import fcntl
 
     from weightcache.custodian.checks import F_SEAL_FUTURE_WRITE
@@ -147,7 +152,7 @@ def test_a_memfd_sealed_against_future_writes_is_held(sockdir, custodian):  # no
     assert [x.name for x in custodian.holdings().holdings] == [NAME]
 
 
-def test_a_plain_file_is_not_a_block(sockdir, custodian, tmp_path):  # noqa: F811
+def test_a_plain_file_is_not_a_block(sockdir, custodian, tmp_path):
     h, k, m = one_block(torch.arange(8, dtype=torch.int32))
     f = tmp_path / "block"
     f.write_bytes(b"\0" * 4096)
@@ -157,7 +162,7 @@ def test_a_plain_file_is_not_a_block(sockdir, custodian, tmp_path):  # noqa: F81
     os.close(fd)
 
 
-def test_a_running_preloads_cache_and_credential_stay_its_own(sockdir, custodian):  # noqa: F811
+def test_a_running_preloads_cache_and_credential_stay_its_own(sockdir, custodian):
     held_daemon(_sock(sockdir), KEY, custodian).close()
     other = register(sockdir)  # a second preload (of this process) may not replace the first one's cache
     h, k, m = one_block(torch.arange(8, dtype=torch.int32))
@@ -181,7 +186,7 @@ def _manifest_for(blocks: list[int]) -> bytes:
     return msgspec.msgpack.encode(Manifest(tensors=[], storages=[], blocks=[BlockSpec(n) for n in blocks]))
 
 
-def test_the_adopting_daemon_checks_every_block_itself(sockdir, custodian, monkeypatch, caplog):  # noqa: F811
+def test_the_adopting_daemon_checks_every_block_itself(sockdir, custodian, monkeypatch, caplog):
     """Should a bad block reach the custodian anyway, the replacement refuses it (one line), releases it and
     loads afresh."""
     d = held_daemon(_sock(sockdir), KEY, custodian)
