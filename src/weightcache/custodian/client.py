@@ -47,6 +47,7 @@ from .messages import (
 LOG_NAME = "custodian.log"  # in the socket directory: what a detached custodian says
 CONNECT_TIMEOUT_S = 5.0  # to connect and be welcomed
 REQUEST_TIMEOUT_S = 10.0
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
 
 def process_state(pid: int) -> str:
@@ -211,9 +212,12 @@ class CustodianClient:
                 return True
             try:
                 poller = select.poll()
-                poller.register(self._sock, select.POLLIN)
-                if not poller.poll(0):
+                poller.register(self._sock, select.POLLIN | _POLLRDHUP)
+                events = poller.poll(0)
+                if not events:
                     return False
+                if events[0][1] & (_POLLRDHUP | select.POLLHUP | select.POLLERR):
+                    return True  # closed, even behind a last answer we never read
                 return self._sock.recv(1, socket.MSG_PEEK) == b""
             except OSError:
                 return True
