@@ -240,6 +240,12 @@ class Custody:
                 log.warning("no custodian to release this preload's caches with; one that holds them frees them "
                             "%.0f s after this preload is gone", self.hold_after_exit)
             return
+        if self.state == "unresponsive":  # no use waiting for it: our connection's close starts the lease
+            log.warning("the custodian (pid %d) does not answer: this preload's caches are freed %.0f s after it is "
+                        "gone", self._pid, self.hold_after_exit)
+            self.client.close()
+            self.client = None
+            return
         try:
             if not keep:
                 gone = self.client.release(sorted(self.owned))
