@@ -213,7 +213,7 @@ def test_the_adopting_daemon_checks_every_block_itself(sockdir, custodian, monke
 
 @pytest.mark.gpu
 def test_a_cuda_handle_is_checked_before_it_is_served():
-    from weightcache.arena.adopted import check_cuda_handle
+    from weightcache.arena.adopted import check_blocks
     from weightcache.arena.cuda import CudaBlock, granularity
     from weightcache.errors import WeightCacheError
 
@@ -221,12 +221,12 @@ def test_a_cuda_handle_is_checked_before_it_is_served():
     gran = granularity(0)
     block = CudaBlock(gran, 0)
     try:
-        check_cuda_handle(block.fd, block.nbytes, 0)  # the real thing passes
-        with pytest.raises(WeightCacheError, match="is smaller than its block's"):
-            check_cuda_handle(block.fd, 2 * block.nbytes, 0)
+        check_blocks([block.fd], [block.nbytes], "cuda", 0)  # the real thing passes
+        with pytest.raises(WeightCacheError, match="block 0 is smaller than its block's"):
+            check_blocks([block.fd], [2 * block.nbytes], "cuda", 0)
         fd = sealed_memfd(size=gran)
-        with pytest.raises(WeightCacheError, match="is not a CUDA memory handle"):
-            check_cuda_handle(fd, gran, 0)
+        with pytest.raises(WeightCacheError, match="block 1 is not a CUDA memory handle"):
+            check_blocks([block.fd, fd], [block.nbytes, gran], "cuda", 0)
         os.close(fd)
     finally:
         block.close()

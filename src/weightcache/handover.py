@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from .arena.adopted import AdoptedBlock
+from .arena.adopted import AdoptedBlock, check_blocks, cuda_index_of
 from .custodian.client import CustodianClient
 from .custodian.messages import Holding
 from .errors import DaemonUnavailable, WeightCacheError
@@ -106,17 +106,9 @@ class Handover:
         claimed, fds = got
         try:
             manifest = check_claimed(claimed, len(fds), key, device, gpu_uuid)
-            index = None
-            if device == "cuda":
-                from .arena.cuda import device_index_for_uuid
-
-                index = device_index_for_uuid(gpu_uuid)
-            blocks = []
-            for i, (fd, spec) in enumerate(zip(fds, manifest.blocks, strict=True)):
-                try:
-                    blocks.append(AdoptedBlock(fd, spec.nbytes, device, index))
-                except WeightCacheError as e:
-                    raise ValueError(f"block {i} {e}") from None
+            sizes = [spec.nbytes for spec in manifest.blocks]
+            check_blocks(fds, sizes, device, cuda_index_of(gpu_uuid) if device == "cuda" else None)
+            blocks = [AdoptedBlock(fd, n, device) for fd, n in zip(fds, sizes, strict=True)]
         except (ValueError, WeightCacheError, msgspec.DecodeError, OSError) as e:
             for fd in fds:
                 with contextlib.suppress(OSError):
