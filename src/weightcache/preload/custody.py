@@ -42,17 +42,13 @@ class Custody:
         self.state = "off"  # off | up | unresponsive | gone
         self.restarts = 0  # custodians started in place of one that died
         self.owned: set[str] = set()  # names (socket file names) our daemons bound: the caches we stand for
-        self._pid = 0
         self.connect_timeout = CONNECT_TIMEOUT_S
+        self._pid = 0
         self._snapshot: list[Holding] = []
         self._snapshot_at = 0.0
         self._probe: CustodianClient | None = None  # a second connection, for watching (never registered)
         self._stop = threading.Event()
         self._watch: threading.Thread | None = None
-
-    @property
-    def lost(self) -> bool:
-        return self.state in ("gone", "unresponsive")
 
     @property
     def socket(self) -> str:
