@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import socket
 import statistics
 import sys
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     finally:
         owner.stop()
         owner.close()
+        shutil.rmtree(sdir, ignore_errors=True)
     row = {"rounds": a.rounds, "stalled_clients": a.stalled, "caches": a.caches,
            "quiet_p50_ms": statistics.median(quiet) * 1e3, "quiet_p99_ms": p99(quiet) * 1e3,
            "stalled_p50_ms": statistics.median(stalled) * 1e3, "stalled_p99_ms": p99(stalled) * 1e3,
