@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from .preload.frontend import PRELOAD_DESCRIPTION, PRELOAD_EPILOG, add_preload_arguments, preload_main
-from .preload.options import UsageError
+from .preload.options import UsageError, seconds
 
 log = logging.getLogger("weightcache.cli")
 
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="list the daemons in a socket directory")
     st.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each daemon")
+    st.add_argument("--timeout", type=seconds, default=2.0,
+                    help="seconds to wait for each daemon and for the custodian")
     rel = sub.add_parser("release", help="free the weights the custodian holds past their daemons",
                          description="Free what the custodian of a socket directory holds (all of it, or the named "
                                      "caches or models). Daemons that run keep serving; the memory returns once no "
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--list", action="store_true", help="list what is held; release nothing")
     rel.add_argument("--json", action="store_true", help="machine-readable output")
     rel.add_argument("--stop", action="store_true", help="release everything and stop the custodian now")
+    rel.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
+                     help="seconds to wait for the custodian's answer (one that does not answer is an error)")
     sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
     return parser
 
@@ -63,68 +67,92 @@ def status_main(args) -> int:
         print(f"weightcache status: error: {e}", file=sys.stderr)
         return 2
     rows = collect(socket_dir, timeout=args.timeout)
+    try:
+        held = _held_line(socket_dir, args.timeout)
+    except WeightCacheError as e:  # the daemons are listed; what the custodian holds is unknown
+        held = None
+        problem = str(e)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows, socket_dir))
-        held = _held_line(socket_dir)
         if held:
             print(held)
+    if held is None:
+        print(f"weightcache status: error: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _held_line(socket_dir: Path) -> str:
+def _held_line(socket_dir: Path, timeout: float) -> str:
+    """One line on what the custodian holds ("" without one); raises when it does not answer."""
     from .custodian.client import CustodianClient
-    from .errors import WeightCacheError
+    from .errors import DaemonUnavailable
     from .progress import human_bytes
     from .sockets import custodian_socket_path
 
     if not custodian_socket_path(socket_dir).exists():
         return ""
     try:
-        client = CustodianClient.connect(socket_dir, timeout=2.0)
-    except WeightCacheError as e:
-        return f"custodian: {e}"
+        client = CustodianClient.connect(socket_dir, timeout=timeout)
+    except DaemonUnavailable:
+        return ""  # a socket left behind by a custodian that is gone
     try:
-        held = client.holdings().holdings
-    except WeightCacheError as e:
-        return f"custodian: {e}"
+        held = client.holdings(timeout=timeout).holdings
     finally:
         client.close()
     orphans = [h for h in held if not h.served_by]
+    leased = [h.expires_in for h in held if h.expires_in is not None]
     return (f"custodian pid {client.pid} holds {len(held)} cache(s), {human_bytes(sum(h.nbytes for h in held))}"
-            + (f"; {len(orphans)} served by no daemon (`weightcache release` frees them)" if orphans else ""))
+            + (f"; {len(orphans)} served by no daemon (`weightcache release` frees them)" if orphans else "")
+            + (f"; {len(leased)} of a preload that is gone, the next freed in {min(leased):.0f} s" if leased else ""))
 
 
 # ----------------------------------------------------------------------------------------------- release
+
+def _release_dir(explicit: str | None) -> Path | None:
+    """The socket directory to release from; None when an explicit one does not exist (nothing is held
+    there). Raises WeightCacheError for one that is not ours alone (anyone could have put a socket there)."""
+    from .sockets import check_private_dir, default_socket_dir
+
+    if not explicit:
+        return default_socket_dir()
+    path = Path(explicit)
+    if not os.path.lexists(path):
+        return None
+    return check_private_dir(path)
+
 
 def release_main(args) -> int:
     from .custodian.client import CustodianClient
     from .errors import DaemonUnavailable, WeightCacheError
     from .progress import human_bytes
-    from .sockets import custodian_socket_path, default_socket_dir
+    from .sockets import custodian_socket_path
 
     try:
-        socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir()
+        socket_dir = _release_dir(args.socket_dir)
     except (OSError, WeightCacheError) as e:
-        print(f"weightcache release: error: socket directory: {e}", file=sys.stderr)
+        print(f"weightcache release: error: {e}", file=sys.stderr)
         return 2
     if args.stop and (args.names or args.model or args.list):
         print("weightcache release: error: --stop releases everything; drop NAME/--model/--list", file=sys.stderr)
         return 2
     try:
-        client = CustodianClient.connect(custodian_socket_path(socket_dir), client="weightcache release", timeout=10.0)
+        if socket_dir is None:
+            raise DaemonUnavailable("")
+        client = CustodianClient.connect(custodian_socket_path(socket_dir), client="weightcache release",
+                                         timeout=args.timeout)
     except DaemonUnavailable:
         if args.json:
             print(json.dumps({"custodian": None, "holdings": [], "released": []}))
         else:
-            print(f"no custodian in {socket_dir}: nothing is held")
+            print(f"no custodian in {socket_dir or args.socket_dir}: nothing is held")
         return 0
-    except WeightCacheError as e:
+    except WeightCacheError as e:  # it does not answer, or refuses us: what it holds is unknown
         print(f"weightcache release: error: {e}", file=sys.stderr)
         return 1
     try:
-        held = client.holdings().holdings
+        held = client.holdings(timeout=args.timeout).holdings
         if args.list:
             if args.json:
                 import msgspec
@@ -159,18 +187,29 @@ def release_main(args) -> int:
     return 0
 
 
+def _lease_text(h) -> str:
+    if h.kept:
+        return "kept"
+    if h.expires_in is not None:
+        return f"{h.expires_in:.0f}s"
+    return f"pid {h.preload}" if h.preload else "-"
+
+
 def _holdings_table(held, pid: int, socket_dir: Path) -> str:
     import time
 
     from .progress import human_bytes
 
-    lines = [f"{'NAME':<40} {'MODEL':<30} {'BYTES':>10} {'SERVED BY':>10} {'HANDOVERS':>9} {'HELD':>8}"]
+    lines = [f"{'NAME':<40} {'MODEL':<30} {'BYTES':>10} {'SERVED BY':>10} {'HANDOVERS':>9} {'HELD':>8} "
+             f"{'FREED IN':>10}"]
     now = time.time()
     for h in sorted(held, key=lambda h: h.name):
         age = now - h.deposited_at
         lines.append(f"{h.name:<40} {h.model[-30:]:<30} {human_bytes(h.nbytes):>10} "
-                     f"{(str(h.served_by) if h.served_by else '-'):>10} {h.handovers:>9} {age:>7.0f}s")
-    lines.append(f"\n{len(held)} cache(s) held by custodian pid {pid} in {socket_dir}")
+                     f"{(str(h.served_by) if h.served_by else '-'):>10} {h.handovers:>9} {age:>7.0f}s "
+                     f"{_lease_text(h):>10}")
+    lines.append(f"\n{len(held)} cache(s) held by custodian pid {pid} in {socket_dir}; FREED IN: seconds left of "
+                 "the lease of a cache whose preload is gone, 'pid N' while preload N runs, 'kept' until released")
     return "\n".join(lines)
 
 

@@ -66,6 +66,7 @@ class ChildSpec:
     info: dict
     log_level: int = logging.INFO
     custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    custodian_token: str = ""  # the preload's credential with the custodian (travels pickled, never in the env)
     loads_alone: bool = True
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
     gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
@@ -197,6 +198,10 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         path = socket_path(spec.socket_dir, key, tag)
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
+        if spec.custodian:
+            from ..handover import use_credential
+
+            use_credential(spec.custodian, spec.custodian_token)
         daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None,
                         gpu_uuid=spec.gpu_uuid or None)
         daemon.start()

@@ -10,6 +10,8 @@ import math
 import sys
 from pathlib import Path
 
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S
+
 DEFAULT_HEALTH_HOST = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -42,6 +44,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds > 0")
+    return v
+
+
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
     return v
 
 
@@ -80,6 +93,10 @@ def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False
     g.add_argument("--weight-cache-keep-on-stop", action="store_true",
                    help="on SIGINT/SIGTERM leave the weights with the custodian, for the next preload of the "
                         "same model and flags (an upgrade); `weightcache release` frees them")
+    g.add_argument("--weight-cache-hold-after-exit", type=seconds_or_zero, default=DEFAULT_HOLD_AFTER_EXIT_S,
+                   metavar="S", help="how long the custodian keeps the weights of a preload that is gone without "
+                   f"an orderly stop (killed, crashed), for its next start (default {DEFAULT_HOLD_AFTER_EXIT_S:.0f}; "
+                   "0: free them at once); `weightcache release` frees them earlier")
     g.add_argument("--weight-cache-no-custodian", action="store_true",
                    help="no custodian: the weights live and die with their daemons")
     g.add_argument("--weight-cache-log-level" if vllm else "--log-level", dest="log_level", default="INFO",
@@ -132,7 +149,7 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
                          keep_on_stop=args.weight_cache_keep_on_stop, remember=remember,
-                         digests=list(digests))
+                         digests=list(digests), hold_after_exit=args.weight_cache_hold_after_exit)
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

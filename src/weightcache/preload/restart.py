@@ -127,6 +127,7 @@ def restart(argv: list[str]) -> int | None:
                          rendezvous_timeout=opts.get("rendezvous_timeout", 600.0),
                          log_level=opts.get("log_level", logging.INFO),
                          keep_on_stop=opts.get("keep_on_stop", False),
+                         **({"hold_after_exit": opts["hold_after_exit"]} if "hold_after_exit" in opts else {}),
                          remember={"argv": rec.argv, "checkpoints": rec.checkpoints, "stamps": rec.stamps},
                          local_rendezvous=True)
     except StartError as e:

@@ -47,7 +47,7 @@ from .child import (
     dump_modules,
     exit_code_of,
 )
-from .custody import Custody
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S, Custody
 from .group import Group, default_key, stamp_of
 from .layout import Placement
 
@@ -80,11 +80,13 @@ class Supervisor:
                  health_port: int | None = None, start_timeout: float = 3600.0,
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
-                 remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None):
+                 remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None,
+                 hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S):
         """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
         supervisor writes them with every rank's key into a record its own restart comes back from
         (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
-        restart from a record): on one node it is kept in process, without torch."""
+        restart from a record): on one node it is kept in process, without torch. ``hold_after_exit``: how long
+        the custodian keeps this preload's caches once it is gone without an orderly stop."""
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -110,7 +112,8 @@ class Supervisor:
         self._ctx = mp.get_context("spawn")
         self._marked: set[str] = set()
         self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
-        self.custody = Custody(self.socket_dir)  # the custodian keeps the caches past their daemons
+        self.custody = Custody(self.socket_dir, hold_after_exit)  # keeps the caches past their daemons
+        self.hold_after_exit = hold_after_exit
         self.stopped_by_signal = False
         self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
         self.restarts: dict[tuple[str, int], int] = {}
@@ -235,6 +238,7 @@ class Supervisor:
             log.warning("the checkpoint changed while it loaded: no restart record (the next start loads again)")
             return
         options = {"health_host": self.health_host, "health_port": self.health_port,
+                   "hold_after_exit": self.hold_after_exit,
                    "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
                    "log_level": self.log_level, "keep_on_stop": self.keep_on_stop}
         record.write(record.Record(
@@ -270,7 +274,6 @@ class Supervisor:
                 c.reported = True
                 self._on_exit(i, c)
         self._start_due_replacements()
-        self.custody.check_alive()
         if all(c.reported for c in self.children) and not self._pending:  # each exit handled
             log.error("every daemon of this node has exited; stopping")
             return max(exit_code_of(c.proc.exitcode) for c in self.children)
@@ -380,8 +383,9 @@ class Supervisor:
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
-                         custodian=self.custody.socket, loads_alone=g.loads_alone,
-                         gpu_uuid=g.gpu_uuids.get(p.rank, ""), preimport=tuple(g.preimport))
+                         custodian=self.custody.socket, custodian_token=self.custody.token,
+                         loads_alone=g.loads_alone, gpu_uuid=g.gpu_uuids.get(p.rank, ""),
+                         preimport=tuple(g.preimport))
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:
@@ -545,8 +549,13 @@ class Supervisor:
         }
 
     def _custodian_metrics(self) -> list[tuple[str, str, float]]:
-        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs",
-                 1.0 if self.custody.info()["up"] else 0.0)]
+        info = self.custody.info()
+        expiry = info.get("next_expiry_s")
+        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs "
+                 "and answers", 1.0 if info["up"] else 0.0),
+                ("weightcache_custodian_next_release_seconds", "seconds until the custodian frees the next cache "
+                 "whose preload is gone (its lease); -1: none is counting down",
+                 -1.0 if expiry is None else float(expiry))]
 
     def _start_http(self) -> None:
         from .http import HealthServer, build_app
