@@ -117,10 +117,15 @@ def one_block(payload: torch.Tensor, key=KEY, size: int = 4096):
     """A holding, encoded key and manifest for `payload` as one block of `size` bytes."""
     import msgspec
 
+    from weightcache import integrity
     from weightcache.packing import plan_for_tensors
 
     manifest, _ = plan_for_tensors({"w": payload})
     manifest.blocks[0].nbytes = size
+    block = torch.zeros(size, dtype=torch.uint8)
+    raw = payload.reshape(-1).view(torch.uint8)[:size]
+    block[:raw.numel()] = raw
+    integrity.record(manifest, [block])  # what a daemon records: an adopter checks the bytes against it
     h = Holding(name=socket_name(key, "cpu"), model=key.model, role=key.role, rank=key.rank, device="cpu",
                 block_bytes=[size])
     return h, msgspec.msgpack.encode(key), msgspec.msgpack.encode(manifest)

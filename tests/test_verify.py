@@ -4,8 +4,10 @@ writable mapping, a poisoned deposit) and names the tensors."""
 
 from __future__ import annotations
 
+import json
 import struct
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,276 @@ def test_torch_fallback_matches_the_definition(nbytes):
 def test_bad_chunk_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="multiple of 16"):
         algorithm.digests_numpy(np.zeros(64, np.uint8), bad)
+
+
+# ---- a daemon's resident bytes ----------------------------------------------------------------------------------
+
+import fcntl  # noqa: E402
+import logging  # noqa: E402
+import mmap  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+
+import weightcache as wc  # noqa: E402
+from conftest import DEVICES  # noqa: E402
+from procs import bits, sample_tensors  # noqa: E402
+from weightcache import cli, wire  # noqa: E402
+from weightcache.arena.host import HostBlock  # noqa: E402
+from weightcache.client import request_verify  # noqa: E402
+from weightcache.custodian.client import CustodianClient, launch  # noqa: E402
+from weightcache.daemon import Daemon  # noqa: E402
+from weightcache.errors import DaemonNotReady, WeightCacheError  # noqa: E402
+from weightcache.integrity import IntegrityError  # noqa: E402
+from weightcache.key import CacheKey  # noqa: E402
+from weightcache.manifest import Manifest, validate  # noqa: E402
+
+KEY = CacheKey(model="sample", content_digest="d0")
+CHUNK = 256  # small chunks: a change names only the tensors near it
+
+
+def _sock(sockdir, name="main-r0-cpu-00000000.sock"):
+    return os.path.join(sockdir, name)
+
+
+def _offset(manifest: Manifest, name: str) -> tuple[int, int]:
+    """(block, byte offset) of a tensor's first element."""
+    t = next(t for t in manifest.tensors if t.name == name)
+    s = manifest.storages[t.storage]
+    return s.block, s.offset + t.byte_offset
+
+
+def _flip_cpu_byte(fd: int, offset: int) -> None:
+    """Change one byte of a memfd through a shared writable mapping of it (any same-uid process can open an
+    unsealed memfd read-write through /proc)."""
+    rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    try:
+        with mmap.mmap(rw, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            mm[offset] ^= 0x5A
+    finally:
+        os.close(rw)
+
+
+@pytest.fixture
+def unsealed(monkeypatch):
+    """Host blocks left writable after their fill: a kernel without memfd seals, or a bug."""
+    monkeypatch.setattr(HostBlock, "seal", lambda self: None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_loaded_cache_records_digests_and_verifies_clean(sockdir, device):
+    src = sample_tensors(device)
+    with wc.publish(src, _sock(sockdir), KEY, digest_chunk_bytes=CHUNK) as d:
+        m = d.manifest
+        assert m.integrity == "wc-mix64-v1" and m.chunk_bytes == CHUNK
+        assert all(len(b.digests) == 8 * -(-b.nbytes // CHUNK) for b in m.blocks)
+        st = d.status()
+        assert st.integrity == "wc-mix64-v1" and st.digest_seconds > 0 and st.verify_result == ""
+        rep = request_verify(_sock(sockdir))
+        assert (rep.checked, rep.ok, rep.mismatches, rep.nbytes) == (True, True, [], m.nbytes)
+        with wc.attach(_sock(sockdir), expect=KEY, verify=True) as att:
+            for name, t in src.items():
+                assert torch.equal(bits(att[name]), bits(t)), name
+        with wc.attach(_sock(sockdir), expect=KEY, mode="copy", verify=True) as att:
+            assert torch.equal(bits(att["embed"]), bits(src["embed"]))
+        st = d.status()
+        assert (st.verify_result, st.verifications) == ("ok", 1) and st.verified_at > 0
+
+
+def test_a_write_through_a_writable_mapping_is_caught_and_named(sockdir, unsealed, capsys):
+    src = sample_tensors()
+    with wc.publish(src, _sock(sockdir), KEY, digest_chunk_bytes=CHUNK) as d:
+        block, at = _offset(d.manifest, "i32")
+        _flip_cpu_byte(d._blocks[block].fd, at + 1)
+        with pytest.raises(IntegrityError, match=r"1 tensor\(s\) differ from their recorded digests: 'i32'") as e:
+            wc.attach(_sock(sockdir), expect=KEY, verify=True)
+        assert e.value.tensors == ["i32"]
+        assert cli.main(["verify", "--socket-dir", sockdir]) == 1
+        out = capsys.readouterr().out
+        assert "MISMATCH" in out and "'i32'" in out and "1 with changed weights" in out
+        st = d.status()
+        assert st.verify_result == "mismatch" and "'i32'" in st.verify_message
+        with pytest.raises(DaemonNotReady, match="changed since they were loaded.*'i32'"):
+            wc.attach(_sock(sockdir), expect=KEY)  # refused from now on, naming the tensor
+        block, at = _offset(d.manifest, "embed")
+        _flip_cpu_byte(d._blocks[block].fd, at)
+        rep = request_verify(_sock(sockdir))
+        assert not rep.ok and rep.mismatches[0].tensors == ["embed", "lm_head", "i32"]  # ties named, manifest order
+
+
+def test_verify_json_and_a_clean_run_exit_zero(sockdir, capsys):
+    with wc.publish(sample_tensors(), _sock(sockdir), KEY):
+        assert cli.main(["verify", "--socket-dir", sockdir, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        (row,) = out["daemons"]
+        assert row["result"] == "ok" and row["report"]["ok"] and out["mismatch"] == 0
+        assert cli.main(["verify", "--socket-dir", sockdir]) == 0
+        assert "OK" in capsys.readouterr().out
+
+
+def test_verify_refuses_a_bad_directory_and_reports_unverifiable_daemons(sockdir, tmp_path, capsys):
+    assert cli.main(["verify", "--socket-dir", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["verify", "--socket-dir", sockdir, "--timeout", "0"]) == 2
+    assert "--timeout" in capsys.readouterr().err
+    with wc.publish(sample_tensors(), _sock(sockdir), KEY, digest_chunk_bytes=0):  # records no digests
+        assert cli.main(["verify", "--socket-dir", sockdir]) == 3
+        assert "recorded no digests" in capsys.readouterr().out
+        with pytest.raises(IntegrityError, match="recorded no digests"):
+            wc.attach(_sock(sockdir), expect=KEY, verify=True)
+        with wc.attach(_sock(sockdir), expect=KEY) as att:  # without verify it attaches as before
+            assert len(att) == len(sample_tensors())
+
+
+def test_a_daemon_still_loading_is_not_verified(sockdir):
+    d = Daemon(_sock(sockdir), KEY)
+    d.start()
+    try:
+        rep = request_verify(_sock(sockdir))
+        assert not rep.checked and "loading" in rep.message
+    finally:
+        d.close()
+
+
+def test_the_scrub_finds_a_change_in_the_background(sockdir, unsealed):
+    with wc.publish(sample_tensors(), _sock(sockdir), KEY, digest_chunk_bytes=CHUNK, scrub_interval=0.05) as d:
+        assert d.status().scrub_interval == 0.05
+        deadline = time.monotonic() + 30
+        while d.status().verifications == 0:
+            assert time.monotonic() < deadline, "the scrub never ran"
+            time.sleep(0.02)
+        assert d.status().verify_result == "ok"
+        block, at = _offset(d.manifest, "bias")
+        _flip_cpu_byte(d._blocks[block].fd, at)
+        while d.status().verify_result != "mismatch":
+            assert time.monotonic() < deadline, "the scrub did not see the change"
+            time.sleep(0.02)
+        assert "'bias'" in d.status().verify_message
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "5", True])
+def test_bad_scrub_intervals_are_refused(sockdir, bad):
+    with pytest.raises(ValueError, match="scrub interval"):
+        Daemon(_sock(sockdir), KEY, scrub_interval=bad)
+
+
+def test_bad_digest_chunk_sizes_are_refused(sockdir):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Daemon(_sock(sockdir), KEY, digest_chunk_bytes=100)
+
+
+def test_manifests_with_digests_that_do_not_cover_their_blocks_are_refused():
+    from weightcache.manifest import BlockSpec
+
+    def manifest(**kw):
+        return Manifest([], [], [BlockSpec(4096, kw.pop("digests", b"\0" * 8 * 16))], **kw)
+
+    validate(manifest(integrity="wc-mix64-v1", chunk_bytes=256))
+    with pytest.raises(ValueError, match="chunks of 32 need 1024"):
+        validate(manifest(integrity="wc-mix64-v1", chunk_bytes=32))
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        validate(manifest(integrity="wc-mix64-v1", chunk_bytes=100))
+    with pytest.raises(ValueError, match="names no digest algorithm"):
+        validate(manifest())
+    raw = wire.encode(wire.Attached(key=KEY, manifest=manifest(integrity="wc-mix64-v1", chunk_bytes=256), nfds=1))
+    assert wire.decode(raw[4:]).manifest.blocks[0].digests == b"\0" * 128
+
+
+# ---- a poisoned deposit -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def custodian(sockdir):
+    launch(sockdir)
+    client = CustodianClient.connect(sockdir)
+    yield client
+    try:
+        client.stop()
+    except WeightCacheError:
+        pass
+    client.close()
+
+
+def _poison(custodian_path, name: str, tensor: str) -> None:
+    """What a same-uid process can do: claim the held cache (its key, manifest and blocks), and deposit under the
+    same name sealed memfds with one byte of ``tensor`` changed, with the same key and manifest."""
+    client = CustodianClient.connect(custodian_path, client="poisoner")
+    try:
+        claimed, fds = client.claim(name)
+        manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
+        block, at = _offset(manifest, tensor)
+        fakes = []
+        for i, fd in enumerate(fds):
+            data = bytearray(os.pread(fd, os.fstat(fd).st_size, 0))
+            if i == block:
+                data[at] ^= 0x5A
+            fake = os.memfd_create("weightcache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.write(fake, bytes(data))
+            fcntl.fcntl(fake, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_SEAL)
+            fakes.append(fake)
+            os.close(fd)
+        client.deposit(claimed.holding, claimed.key, claimed.manifest, fakes)
+        for fd in fakes:
+            os.close(fd)
+    finally:
+        client.close()
+
+
+def test_a_poisoned_deposit_is_refused_and_loaded_afresh(sockdir, custodian, caplog):
+    sock = _sock(sockdir)
+    src = sample_tensors()
+    first = Daemon(sock, KEY, custodian=custodian.path, digest_chunk_bytes=CHUNK)
+    first.start()
+    assert not first.adopt()
+    first.load_tensors(src)
+    assert first.held
+    first.close()
+    _poison(custodian.path, os.path.basename(sock), "half")
+    second = Daemon(sock, KEY, custodian=custodian.path, digest_chunk_bytes=CHUNK)
+    second.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
+            assert not second.adopt()  # refused: the caller loads afresh
+        assert "is not the bytes that were loaded" in caplog.text and "'half'" in caplog.text
+        second.load_tensors(src)
+        with wc.attach(sock, expect=KEY, verify=True) as att:
+            assert torch.equal(bits(att["half"]), bits(src["half"]))
+    finally:
+        second.close()
+    third = Daemon(sock, KEY, custodian=custodian.path, digest_chunk_bytes=CHUNK)  # takes the fresh deposit
+    third.start()
+    try:
+        assert third.adopt()
+        assert third.status().verify_result == "ok"
+        assert request_verify(sock).ok
+        with wc.attach(sock, expect=KEY, verify=True) as att:
+            assert torch.equal(bits(att["half"]), bits(src["half"]))
+    finally:
+        third.close()
+
+
+def test_a_deposit_stripped_of_its_digests_is_not_adopted(sockdir, custodian, caplog):
+    sock = _sock(sockdir)
+    first = Daemon(sock, KEY, custodian=custodian.path)
+    first.start()
+    first.adopt()
+    first.load_tensors(sample_tensors())
+    first.close()
+    client = CustodianClient.connect(custodian.path)
+    claimed, fds = client.claim(os.path.basename(sock))
+    manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
+    manifest.integrity, manifest.chunk_bytes = "", 0
+    for b in manifest.blocks:
+        b.digests = b""
+    client.deposit(claimed.holding, claimed.key, msgspec.msgpack.encode(manifest), fds)
+    for fd in fds:
+        os.close(fd)
+    client.close()
+    second = Daemon(sock, KEY, custodian=custodian.path)
+    second.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
+            assert not second.adopt()
+        assert "carries no digests" in caplog.text
+    finally:
+        second.close()

@@ -20,7 +20,7 @@ __all__ = ["UsageError", "build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident in memory.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,release,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{preload,status,verify,release,demo}")
     add_preload_arguments(sub.add_parser(
         "preload", help="start a daemon per rank and keep the weights loaded", description=PRELOAD_DESCRIPTION,
         epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -29,6 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout", type=seconds, default=2.0,
                     help="seconds to wait for each daemon and for the custodian")
+    ver = sub.add_parser("verify", help="re-hash every daemon's resident weights against their recorded digests",
+                         description="Ask every daemon in a socket directory to re-hash its resident bytes (on its "
+                                     "own device) and compare them with the digests recorded when they were loaded. "
+                                     "Exit status: 0 all match, 1 some tensors differ (named), 3 a daemon could "
+                                     "not be verified.")
+    ver.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
+    ver.add_argument("--json", action="store_true", help="machine-readable output")
+    ver.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each daemon (default 300)")
     rel = sub.add_parser("release", help="free the weights the custodian holds past their daemons",
                          description="Free what the custodian of a socket directory holds (all of it, or the named "
                                      "caches or models). Daemons that run keep serving; the memory returns once no "
@@ -106,6 +114,60 @@ def _held_line(socket_dir: Path, timeout: float) -> str:
     return (f"custodian pid {client.pid} holds {len(held)} cache(s), {human_bytes(sum(h.nbytes for h in held))}"
             + (f"; {len(orphans)} served by no daemon (`weightcache release` frees them)" if orphans else "")
             + (f"; {len(leased)} of a preload that is gone, the next freed in {min(leased):.0f} s" if leased else ""))
+
+
+# ------------------------------------------------------------------------------------------------ verify
+
+def verify_main(args) -> int:
+    from .client import request_verify
+    from .errors import DaemonUnavailable, WeightCacheError
+    from .progress import human_bytes
+    from .sockets import check_private_dir, daemon_sockets, default_socket_dir_path
+
+    if not args.timeout > 0:
+        print(f"weightcache verify: error: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir_path()
+    if not socket_dir.is_dir():
+        if not args.socket_dir:
+            print(f"no weight cache daemons ({socket_dir} does not exist)")
+            return 0
+        print(f"weightcache verify: error: {socket_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        check_private_dir(socket_dir)
+    except WeightCacheError as e:
+        print(f"weightcache verify: error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for path in daemon_sockets(socket_dir):
+        row = {"socket": str(path), "result": "", "message": "", "report": None}
+        try:
+            rep = request_verify(path, timeout=args.timeout)
+        except DaemonUnavailable as e:
+            stale = "stale" in str(e) or "gone" in str(e)
+            row.update(result="stale" if stale else "unreachable", message=str(e))
+        except (WeightCacheError, OSError) as e:
+            row.update(result="error", message=str(e))
+        else:
+            import msgspec
+
+            result = "ok" if rep.ok else "mismatch" if rep.checked else "not verified"
+            row.update(result=result, report=msgspec.to_builtins(rep),
+                       message=rep.message or (f"{human_bytes(rep.nbytes)} in {rep.seconds * 1e3:.1f} ms "
+                                               f"({rep.algorithm}, {rep.chunk_bytes >> 10} KiB chunks)"))
+        rows.append(row)
+    bad = sum(r["result"] == "mismatch" for r in rows)
+    unverified = sum(r["result"] not in ("ok", "mismatch", "stale") for r in rows)
+    if args.json:
+        print(json.dumps({"socket_dir": str(socket_dir), "daemons": rows, "mismatch": bad, "unverified": unverified},
+                         indent=2))
+    else:
+        for r in rows:
+            print(f"{r['result'].upper():<12} {Path(r['socket']).name}: {r['message']}")
+        print(f"{len(rows)} daemon socket(s) in {socket_dir}: {sum(r['result'] == 'ok' for r in rows)} ok, {bad} "
+              f"with changed weights, {unverified} not verified")
+    return 1 if bad else 3 if unverified else 0
 
 
 # ----------------------------------------------------------------------------------------------- release
@@ -251,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(args)
     if args.command == "release":
         return release_main(args)
+    if args.command == "verify":
+        return verify_main(args)
     return build_parser().parse_args(argv + ["--help"]) or 2  # pragma: no cover
 
 

@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from . import wire
-from .errors import ProtocolError
+from . import integrity, wire
+from .errors import ProtocolError, WeightCacheError
 from .handover import Handover
+from .integrity.guard import ResidentGuard
 from .key import CacheKey, diff
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, plan_for_metas
 from .server import OUT_OF_DESCRIPTORS, UnixServer
@@ -75,6 +76,8 @@ class Daemon:
         info: dict[str, str] | None = None,
         custodian: str | Path | None = None,
         gpu_uuid: str | None = None,
+        digest_chunk_bytes: int = integrity.DEFAULT_CHUNK_BYTES,
+        scrub_interval: float = 0.0,
     ):
         self.socket_path = Path(socket_path)
         self.key = key
@@ -112,6 +115,8 @@ class Daemon:
         self._peak_device_bytes = self._baseline_device_bytes = 0
         self._watching_peak = False
         self.phases: dict[str, float] = {}  # where the load's time went (a producer adds its own)
+        # digests recorded at load (digest_chunk_bytes 0: none), re-hashed on request and every scrub_interval s
+        self.guard = ResidentGuard(self.device, digest_chunk_bytes, scrub_interval)
         if self.device.type == "cuda":
             self._gpu_uuid = gpu_uuid or self._torch_gpu_uuid()
 
@@ -179,6 +184,8 @@ class Daemon:
             self._sample_peak()  # the sampler thread may not have run since the arena was allocated
         for b in self._blocks:
             b.seal()
+        if not self.adopted:
+            self.guard.record(manifest, self._blocks)
         self.manifest = manifest
         self._attached_frame = wire.encode(wire.Attached(key=self.key, manifest=manifest, nfds=len(self._blocks)))
         self._load_seconds = time.monotonic() - t0
@@ -186,12 +193,40 @@ class Daemon:
             self._deposit(manifest)
         self.state = "ready"
         self._ready_seconds = time.monotonic() - self._started_mono
+        self.guard.start_scrub(self.verify_resident, self._stop)
         log.info(
             "ready: %d tensors, %.2f GiB in %d block(s) on %s, %s in %.3f s%s",
             len(manifest.tensors), manifest.nbytes / 2**30, len(manifest.blocks), self.device,
             "taken over from the custodian (no load)" if self.adopted else "loaded", self._load_seconds,
             "" if self.adopted else f" ({self._load_rate() / 1e9:.2f} GB/s)",
         )
+
+    # ---- verified resident weights (integrity/guard.py) -------------------------------------------------
+
+    def verify_resident(self) -> wire.VerifyReport:
+        """Re-hash the resident bytes on the daemon's device against the digests recorded at load. A mismatch
+        is logged and shown in status, and every later attach is refused, naming the tensors."""
+        return self.guard.verify(self.manifest, self._blocks, self.state)
+
+    def _adopted_bytes_match(self, manifest: Manifest) -> bool:
+        """A cache taken from the custodian is served only if its bytes match its recorded digests; one that
+        does not (a poisoned or damaged deposit) is released so that this daemon loads afresh."""
+        name = self.handover.name if self.handover else self.socket_path.name
+        why = self.guard.check_adopted(manifest, self._blocks, name)
+        if not why:
+            return True
+        log.warning("the custodian's cache %s is not the bytes that were loaded: %s; releasing it, loading afresh",
+                    name, why)
+        for b in self._blocks:
+            b.close()
+        self._blocks = []
+        client = self.handover.client() if self.handover else None
+        if client is not None:
+            try:
+                client.release([name])
+            except WeightCacheError as e:
+                log.warning("could not release %s at the custodian: %s", name, e)
+        return False
 
     # ---- the custodian: the cache outlives this daemon --------------------------------------------------
 
@@ -210,6 +245,8 @@ class Daemon:
         if got is None:
             return False
         manifest, self._blocks = got
+        if not self._adopted_bytes_match(manifest):
+            return False
         self.adopted = self.held = True
         self._finish(manifest, t0)
         return True
@@ -350,6 +387,7 @@ class Daemon:
         self._stop.set()
         self.state = "closed"
         self.server.close()
+        self.guard.forget()
         for b in self._blocks:
             b.close()  # memory lives on in attached engines (and the custodian) until they drop it
         self._blocks = []
@@ -380,6 +418,7 @@ class Daemon:
                 ready_seconds=self._ready_seconds, load_bytes_per_second=self._load_rate(),
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
                 attach_seconds_buckets=cumulative, info=self.info, phases=dict(self.phases), **self._counters,
+                integrity=m.integrity if m else "", **self.guard.status(),
             )
 
     # ---- serving ----------------------------------------------------------------------------------------
@@ -424,6 +463,8 @@ class Daemon:
                     wire.send_msg(conn, wire.Pong())
                 elif isinstance(msg, wire.StatusRequest):
                     wire.send_msg(conn, self.status())
+                elif isinstance(msg, wire.VerifyRequest):
+                    wire.send_msg(conn, self.verify_resident())
                 elif isinstance(msg, wire.Hello) and not attached:
                     if status_only:
                         self._refuse(conn, "busy", f"daemon serves {self.server.max_clients} connections already; "
@@ -465,6 +506,10 @@ class Daemon:
                 return None
         if self.state == "failed":
             self._refuse(conn, "failed", f"daemon failed to load: {self.message}")
+            return None
+        refusal = self.guard.refusal()
+        if refusal:
+            self._refuse(conn, "failed", refusal)
             return None
         if self.state != "ready":
             wire.send_msg(conn, wire.NotReady(state=self.state, done=self._done, total=self._total, message=self.message))

@@ -14,6 +14,9 @@ Options (``--model-loader-extra-config '{...}'``):
 - ``fallback``: ``true`` to load from disk with a warning when no daemon serves this key (default ``false``:
   fail with a message naming the socket tried)
 - ``wait``: seconds to wait while the daemon reports ``loading`` (default 600)
+- ``verify``: ``true`` to re-hash the attached weights on this device against the digests the daemon recorded
+  at load before binding them; a mismatch fails the load naming the tensors, or with ``fallback`` loads from
+  disk (default ``false``)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, WeightCacheError
+from ...integrity import IntegrityError
 from .. import model_state
 from ..model_state import apply_deletions, apply_scalars, bind_captured
 
@@ -39,7 +43,7 @@ log = logging.getLogger("vllm.weightcache")
 
 LOAD_FORMAT = "weightcache"
 DEFAULT_WAIT_S = 600.0
-_OPTIONS = ("socket_dir", "mode", "fallback", "wait")
+_OPTIONS = ("socket_dir", "mode", "fallback", "wait", "verify")
 
 
 def _parse_bool(name: str, value) -> bool:
@@ -56,6 +60,7 @@ class Options:
     mode: str = "map"
     fallback: bool = False
     wait: float = DEFAULT_WAIT_S
+    verify: bool = False
 
     @classmethod
     def parse(cls, extra: dict | None) -> Options:
@@ -75,7 +80,8 @@ class Options:
             raise ValueError(f"weightcache option 'wait' must be >= 0, got {wait}")
         socket_dir = extra.get("socket_dir")
         return cls(socket_dir=str(socket_dir) if socket_dir else None, mode=mode,
-                   fallback=_parse_bool("fallback", extra.get("fallback", False)), wait=wait)
+                   fallback=_parse_bool("fallback", extra.get("fallback", False)), wait=wait,
+                   verify=_parse_bool("verify", extra.get("verify", False)))
 
 
 # ---- which daemon ----------------------------------------------------------------------------------------------
@@ -315,14 +321,15 @@ class WeightCacheModelLoader(BaseModelLoader):
             log.info("attaching the %s model (rank %d) from %s", role, key.rank, path)
             try:
                 with _timed(spent, "attach"):
-                    att = attach(path, expect=key, mode=self.options.mode)  # the key is checked while loading too
+                    att = attach(path, expect=key, mode=self.options.mode,  # the key is checked while loading too
+                                 verify=self.options.verify)
             except DaemonNotReady as e:
                 if e.state != "loading":
                     raise
                 log.info("the weight cache at %s is loading; waiting up to %.0f s", path, self.options.wait)
                 wait_ready(path, self.options.wait, on_progress=_log_progress(path))
-                att = attach(path, expect=key, mode=self.options.mode)
-        except (DaemonUnavailable, KeyMismatch, DaemonNotReady) as e:
+                att = attach(path, expect=key, mode=self.options.mode, verify=self.options.verify)
+        except (DaemonUnavailable, KeyMismatch, DaemonNotReady, IntegrityError) as e:
             if not self.options.fallback:
                 raise
             log.warning("weight cache unusable for the %s model, loading it from disk (fallback=true): %s",
