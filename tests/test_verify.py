@@ -370,3 +370,111 @@ def test_a_deposit_stripped_of_its_digests_is_not_adopted(sockdir, custodian, ca
         assert "carries no digests" in caplog.text
     finally:
         second.close()
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", [1, 15, 16, 17, 4095, 100_003, (3 << 20) + 40, (9 << 20) + 7])
+def test_the_kernel_matches_the_definition_on_odd_sizes(nbytes):
+    data = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    on_gpu = data.cuda()
+    for start in (0, 16):  # a fresh allocation, and 16 bytes into one
+        host, dev = data[start:start + nbytes], on_gpu[start:start + nbytes]
+        for chunk in (16, 4096, 1 << 20, 4 << 20):
+            lengths = algorithm.chunk_lengths(nbytes, chunk)
+            want = algorithm.finalize(native.chunk_sums(host.data_ptr(), nbytes, chunk), lengths).tolist()
+            assert algorithm.finalize(icuda.kernel_chunk_sums(dev, chunk), lengths).tolist() == want, (start, chunk)
+            assert algorithm.finalize(icuda.torch_chunk_sums(dev, chunk), lengths).tolist() == want, (start, chunk)
+    small = data[:min(nbytes, 5000)]
+    assert algorithm.finalize(icuda.kernel_chunk_sums(small.cuda(), 48), algorithm.chunk_lengths(small.numel(), 48)
+                              ).tolist() == reference_digests(small.numpy().tobytes(), 48)
+
+
+@pytest.mark.gpu
+def test_a_write_through_a_writable_cuda_mapping_is_caught(sockdir):
+    sock = _sock(sockdir, "main-r0-cuda-00000000.sock")
+    src = sample_tensors("cuda")
+    with wc.publish(src, sock, KEY, digest_chunk_bytes=CHUNK):
+        wc.attach(sock, expect=KEY, verify=True).close()
+        writer = wc.attach(sock, expect=KEY, readonly=False)  # a shared writable mapping of the daemon's memory
+        writer["i32"].view(torch.uint8)[1:2].bitwise_xor_(0x5A)
+        torch.cuda.synchronize()
+        with pytest.raises(IntegrityError, match=r"1 tensor\(s\) differ.*'i32'") as e:
+            wc.attach(sock, expect=KEY, verify=True)
+        assert e.value.tensors == ["i32"]
+        rep = request_verify(sock)
+        assert rep.checked and not rep.ok and rep.mismatches[0].tensors == ["i32"]
+        with pytest.raises(DaemonNotReady, match="changed since they were loaded"):
+            wc.attach(sock, expect=KEY)
+        writer.close()
+
+
+@pytest.mark.gpu
+def test_a_changed_cuda_cache_is_not_adopted(sockdir, custodian, caplog):
+    sock = _sock(sockdir, "main-r0-cuda-00000000.sock")
+    src = sample_tensors("cuda")
+    first = Daemon(sock, KEY, device="cuda", custodian=custodian.path, digest_chunk_bytes=CHUNK)
+    first.start()
+    assert not first.adopt()
+    first.load_tensors(src)
+    writer = wc.attach(sock, expect=KEY, readonly=False)
+    first.close()  # the custodian holds the same memory the writer maps
+    writer["half"].view(torch.uint8)[0:1].bitwise_xor_(0x5A)
+    torch.cuda.synchronize()
+    writer.close()
+    second = Daemon(sock, KEY, device="cuda", custodian=custodian.path, digest_chunk_bytes=CHUNK)
+    second.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
+            assert not second.adopt()
+        assert "'half'" in caplog.text
+        second.load_tensors(src)
+        with wc.attach(sock, expect=KEY, verify=True) as att:
+            assert torch.equal(bits(att["half"]), bits(src["half"]))
+    finally:
+        second.close()
+
+
+# ---- the engines' option ----------------------------------------------------------------------------------------
+
+
+def test_the_vllm_loader_takes_a_verify_option():
+    pytest.importorskip("vllm")
+    from weightcache.integrations.vllm.loader import Options
+
+    assert Options.parse({}).verify is False
+    assert Options.parse({"verify": "true"}).verify is True
+    with pytest.raises(ValueError, match="'verify' must be true or false"):
+        Options.parse({"verify": "sometimes"})
+
+
+def test_transformers_verify_refuses_or_falls_back_on_changed_weights(sockdir, tmp_path, monkeypatch, unsealed):
+    pytest.importorskip("transformers")
+    import weightcache.transformers as wct
+    from weightcache.integrations.transformers.producer import TransformersSource
+    from weightcache.preload.layout import Placement
+    from weightcache.sockets import device_tag, socket_path
+    from weightcache.testing.checkpoints import make_llama_checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ckpt = make_llama_checkpoint(tmp_path / "ckpt", seed=3)
+    src = TransformersSource(Placement("main", 0, 0, 0, False, 0, 1, 0, 0, "cpu", 1, 1, 1), path=str(ckpt), dtype="auto")
+    key = src.key("dp1-pp1-tp1")
+    d = Daemon(socket_path(sockdir, key, device_tag("cpu")), key, digest_chunk_bytes=CHUNK)
+    d.start()
+    try:
+        src.produce(d)
+        model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False, verify=True)
+        assert model._weightcache_source == "attach"
+        victim = next(t.name for t in d.manifest.tensors if t.name.endswith("norm.weight"))
+        block, at = _offset(d.manifest, victim)
+        _flip_cpu_byte(d._blocks[block].fd, at)
+        with pytest.raises(IntegrityError, match=f"'{victim}'"):
+            wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, fallback=False, verify=True)
+        with pytest.warns(wct.NoDaemonWarning, match=f"from disk: .*'{victim}'"):
+            model = wct.from_pretrained(ckpt, device="cpu", socket_dir=sockdir, verify=True)
+        assert model._weightcache_source == "disk"
+    finally:
+        d.close()
