@@ -105,6 +105,8 @@ import fcntl  # noqa: E402
 import logging  # noqa: E402
 import mmap  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import weightcache as wc  # noqa: E402
@@ -478,3 +480,74 @@ def test_transformers_verify_refuses_or_falls_back_on_changed_weights(sockdir, t
         assert model._weightcache_source == "disk"
     finally:
         d.close()
+
+
+# ---- preload: the scrub, /health and /metrics -------------------------------------------------------------------
+
+
+def test_health_and_metrics_show_changed_weights():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from weightcache.preload.http import DaemonEntry, build_app
+
+    def entry(rank, **kw):
+        st = wire.DaemonStatus(state="ready", key=KEY.replace(rank=rank), device="cpu", pid=1, started_at=1.0, **kw)
+        return DaemonEntry("main", rank, f"/tmp/x/main-r{rank}.sock", device="cpu", pid=1, status=st)
+
+    current = [entry(0, verify_result="ok", verifications=3, verified_at=5.0, verify_seconds=0.01),
+               entry(1, verify_result="mismatch", verify_message="1 tensor(s) differ: 'w'", verifications=1)]
+    client = TestClient(build_app(lambda: current))
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["not_ready"] == ["main rank 1: weights changed (1 tensor(s) differ: 'w')"]
+    values = {(s.name, s.labels.get("rank")): s.value for f in text_string_to_metric_families(client.get("/metrics").text)
+              for s in f.samples}
+    assert values[("weightcache_verify_ok", "0")] == 1.0 and values[("weightcache_verify_ok", "1")] == 0.0
+    assert values[("weightcache_verifications_total", "0")] == 3.0
+    current[1] = entry(1)  # never verified: no verify_ok sample, healthy
+    assert client.get("/health").status_code == 200
+    ok = [ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("weightcache_verify_ok{")]
+    assert len(ok) == 1 and 'rank="0"' in ok[0]
+
+
+def test_preload_scrubs_and_verify_reports_every_rank(tmp_path):
+    import httpx
+
+    from test_supervisor import SMALL, Preload, free_port, stop_custodian
+    from weightcache.testing.checkpoints import make_llama_checkpoint
+
+    ckpt = make_llama_checkpoint(tmp_path / "ckpt", seed=0, **SMALL)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("XDG_RUNTIME_DIR", None)
+    sdir, port = tmp_path / "s", free_port()
+    p = Preload([ckpt, "-tp", "2", "--device", "cpu", "--engine", "safetensors", "--weight-cache-socket-dir", sdir,
+                 "--weight-cache-health-port", port, "--weight-cache-scrub-interval", "0.2"], env, tmp_path)
+    try:
+        p.wait_ready()
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            ok = [ln for ln in metrics.splitlines() if ln.startswith("weightcache_verify_ok{")]
+            if len(ok) == 2:
+                break
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
+        assert all(ln.endswith(" 1.0") for ln in ok), ok
+        out = subprocess.run([sys.executable, "-m", "weightcache.cli", "verify", "--socket-dir", str(sdir)],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count("OK ") == 2 and "2 ok, 0 with changed weights" in out.stdout
+    finally:
+        p.kill()
+        stop_custodian(sdir)
+
+
+def test_preload_refuses_a_bad_scrub_interval(capsys):
+    from weightcache.cli import main
+
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["preload", "/nonexistent", "--weight-cache-scrub-interval", bad])
+        assert e.value.code == 2
+        assert "--weight-cache-scrub-interval" in capsys.readouterr().err

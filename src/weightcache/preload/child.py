@@ -71,6 +71,7 @@ class ChildSpec:
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
     gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
     preimport: tuple = ()  # modules a load will need, imported while the daemon waits for "go"
+    scrub_interval: float = 0.0  # seconds between re-hashes of the resident weights (0: none)
 
 
 class NotHeld(WeightCacheError):
@@ -203,7 +204,7 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
 
             use_credential(spec.custodian, spec.custodian_token)
         daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None,
-                        gpu_uuid=spec.gpu_uuid or None)
+                        gpu_uuid=spec.gpu_uuid or None, scrub_interval=spec.scrub_interval)
         daemon.start()
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
               gpu_uuid=daemon._gpu_uuid)

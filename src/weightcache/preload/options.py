@@ -97,6 +97,10 @@ def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False
                    metavar="S", help="how long the custodian keeps the weights of a preload that is gone without "
                    f"an orderly stop (killed, crashed), for its next start (default {DEFAULT_HOLD_AFTER_EXIT_S:.0f}; "
                    "0: free them at once); `weightcache release` frees them earlier")
+    g.add_argument("--weight-cache-scrub-interval", type=seconds, default=None, metavar="S",
+                   help="every S seconds each daemon re-hashes its resident weights against the digests recorded "
+                        "at load, at low priority; a change is logged, shown in status and /metrics, makes /health "
+                        "503 and refuses new attaches (default: off; `weightcache verify` checks on demand)")
     g.add_argument("--weight-cache-no-custodian", action="store_true",
                    help="no custodian: the weights live and die with their daemons")
     g.add_argument("--weight-cache-log-level" if vllm else "--log-level", dest="log_level", default="INFO",
@@ -149,7 +153,8 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
                          keep_on_stop=args.weight_cache_keep_on_stop, remember=remember,
-                         digests=list(digests), hold_after_exit=args.weight_cache_hold_after_exit)
+                         digests=list(digests), hold_after_exit=args.weight_cache_hold_after_exit,
+                         scrub_interval=args.weight_cache_scrub_interval or 0.0)
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

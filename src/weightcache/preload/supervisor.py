@@ -81,7 +81,7 @@ class Supervisor:
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
                  remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None,
-                 hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S):
+                 hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S, scrub_interval: float = 0.0):
         """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
         supervisor writes them with every rank's key into a record its own restart comes back from
         (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
@@ -114,6 +114,7 @@ class Supervisor:
         self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
         self.custody = Custody(self.socket_dir, hold_after_exit)  # keeps the caches past their daemons
         self.hold_after_exit = hold_after_exit
+        self.scrub_interval = scrub_interval  # each daemon re-hashes its weights this often (0: never)
         self.stopped_by_signal = False
         self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
         self.restarts: dict[tuple[str, int], int] = {}
@@ -385,7 +386,7 @@ class Supervisor:
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
                          custodian=self.custody.socket, custodian_token=self.custody.token,
                          loads_alone=g.loads_alone, gpu_uuid=g.gpu_uuids.get(p.rank, ""),
-                         preimport=tuple(g.preimport))
+                         preimport=tuple(g.preimport), scrub_interval=self.scrub_interval)
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:
