@@ -93,6 +93,20 @@ def test_torch_fallback_matches_the_definition(nbytes):
         assert got.tolist() == algorithm.digests_numpy(data.numpy(), chunk).tolist()
 
 
+def test_the_kernel_compiles_with_nvrtc(tmp_path, monkeypatch):
+    """Needs cuda-bindings and NVRTC (no GPU): the kernel's source compiles for Ampere and Hopper, and is cached."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    try:
+        for arch in ("sm_80", "sm_90"):
+            assert icuda.compile_kernel(arch)[:4] == b"\x7fELF"
+    except icuda.KernelUnavailable as e:
+        if "NVRTC unavailable" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert len(list(tmp_path.glob("digest-*-sm_90.cubin"))) == 1
+
+
 @pytest.mark.parametrize("bad", [0, -16, 8, 24, 2.0, True])
 def test_bad_chunk_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -49,6 +49,27 @@ def _nvrtc_check(nvrtc, result, prog=None, what: str = "nvrtc"):
     return values[0] if len(values) == 1 else values
 
 
+def _preload_nvrtc() -> bool:
+    """Load a libnvrtc found on the Python path (NVIDIA's wheels, torch's) so that cuda-bindings finds it
+    loaded; True if one was."""
+    import ctypes
+    import glob
+    import site
+    import sys
+
+    roots = [*sys.path, *site.getsitepackages(), site.getusersitepackages(), str(Path(torch.__file__).parent / "lib")]
+    for root in dict.fromkeys(r for r in roots if r and os.path.isdir(r)):
+        for pattern in ("nvidia/*/lib/libnvrtc.so.*", "libnvrtc.so.*"):
+            for path in sorted(glob.glob(os.path.join(root, pattern)), reverse=True):
+                try:
+                    ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+                    log.debug("loaded %s for the digest kernel", path)
+                    return True
+                except OSError:
+                    continue
+    return False
+
+
 def compile_kernel(arch: str) -> bytes:
     """The kernel's CUBIN for ``arch`` (``sm_90``), from the disk cache or NVRTC."""
     try:
@@ -57,8 +78,13 @@ def compile_kernel(arch: str) -> bytes:
         raise KernelUnavailable(f"cuda-bindings is not installed ({e})") from None
     try:
         version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), what="nvrtcVersion")
-    except Exception as e:  # noqa: BLE001 - the library itself may be missing
-        raise KernelUnavailable(f"NVRTC unavailable: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the library itself may be missing, or not where cuda-bindings looks
+        if not _preload_nvrtc():
+            raise KernelUnavailable(f"NVRTC unavailable: {e}") from None
+        try:
+            version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), what="nvrtcVersion")
+        except Exception as e2:  # noqa: BLE001
+            raise KernelUnavailable(f"NVRTC unavailable: {e2}") from None
     source = SOURCE.read_bytes()
     opts = _options(arch)
     tag = hashlib.sha256(source + b" ".join(opts) + repr(version).encode()).hexdigest()[:16]
