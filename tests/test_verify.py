@@ -4,6 +4,7 @@ writable mapping, a poisoned deposit) and names the tensors."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 
@@ -105,6 +106,130 @@ def test_the_kernel_compiles_with_nvrtc(tmp_path, monkeypatch):
             pytest.skip(str(e))
         raise
     assert len(list(tmp_path.glob("digest-*-sm_90.cubin"))) == 1
+
+
+class StandInDriver:
+    """The driver calls of the digest kernel's path with host memory as "device" memory and the C loop as the
+    "kernel": checks how the Python side allocates, packs the kernel's parameters, launches and reads back."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 75, 76
+
+    class CUmemAllocationHandleType:
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+    class CUmemLocationType:
+        CU_MEM_LOCATION_TYPE_DEVICE = 1
+
+    class CUmemAccess_flags:
+        CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+
+    class _Location:
+        type = id = 0
+
+    class CUmemAccessDesc:
+        def __init__(self):
+            self.location, self.flags = StandInDriver._Location(), 0
+
+    CUdeviceptr = CUstream = int
+
+    def __init__(self):
+        self.memory: dict[int, object] = {}  # address -> buffer kept alive
+        self.launches: list[tuple] = []
+        self.mapped: dict[int, int] = {}  # reserved address -> bytes
+
+    def _alloc(self, n):
+        buf = (ctypes.c_uint8 * n)()
+        self.memory[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def cuInit(self, flags): return (0,)
+    def cuDeviceGet(self, i): return 0, i
+    def cuDevicePrimaryCtxRetain(self, dev): return 0, "ctx"
+    def cuCtxPushCurrent(self, ctx): return (0,)
+    def cuCtxPopCurrent(self): return 0, "ctx"
+    def cuDeviceGetAttribute(self, attr, dev): return 0, 9 if attr == 75 else 0
+    def cuModuleLoadData(self, image): return 0, "module"
+    def cuModuleGetFunction(self, module, name): return 0, name
+    def cuMemAlloc(self, n): return 0, self._alloc(n)
+    def cuMemFree(self, addr):
+        self.memory.pop(int(addr))
+        return (0,)
+
+    def cuMemsetD8Async(self, addr, value, n, stream):
+        ctypes.memset(int(addr), value, n)
+        return (0,)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        ptrs = np.ctypeslib.as_array((ctypes.c_uint64 * 5).from_address(params))
+        address, nbytes, chunk, tiles, acc = (ctypes.c_uint64.from_address(int(p)).value for p in ptrs)
+        n = algorithm.chunk_count(nbytes, chunk)
+        assert (fn, gx, bx, tiles) == (icuda.FUNCTION, n * tiles, icuda.THREADS, -(-chunk // icuda.TILE_BYTES))
+        sums = native.chunk_sums(address, nbytes, chunk)
+        ctypes.memmove(acc, sums.ctypes.data, sums.nbytes)
+        self.launches.append((nbytes, chunk, stream))
+        return (0,)
+
+    def cuStreamSynchronize(self, stream): return (0,)
+
+    def cuMemcpyDtoH(self, dst, src, n):
+        ctypes.memmove(dst, int(src), n)
+        return (0,)
+
+    def cuMemImportFromShareableHandle(self, fd, kind): return 0, fd
+    def cuMemAddressReserve(self, n, align, addr, flags):
+        base = self._alloc(n)
+        self.mapped[base] = n
+        return 0, base
+
+    def cuMemMap(self, base, n, offset, handle, flags):
+        data = os.pread(handle, n, 0)
+        ctypes.memmove(int(base), data, len(data))
+        return (0,)
+
+    def cuMemSetAccess(self, base, n, descs, count):
+        assert descs[0].flags == self.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        return (0,)
+
+    def cuMemUnmap(self, base, n): return (0,)
+    def cuMemAddressFree(self, base, n):
+        self.mapped.pop(int(base))
+        self.memory.pop(int(base))
+        return (0,)
+    def cuMemRelease(self, handle): return (0,)
+    def cuGetErrorName(self, err): return 0, b"CUDA_ERROR_STAND_IN"
+
+
+def test_the_driver_path_with_a_stand_in_driver(monkeypatch):
+    from types import SimpleNamespace
+
+    from weightcache.integrity import resident
+
+    fake = StandInDriver()
+    monkeypatch.setattr(icuda, "_driver", lambda: fake)
+    monkeypatch.setattr(icuda, "compile_kernel", lambda arch: b"cubin for " + arch.encode())
+    monkeypatch.setattr(icuda, "_contexts", {})
+    monkeypatch.setattr(icuda, "_functions", {})
+    monkeypatch.setattr(icuda, "_buffers", {})
+    data = np.random.default_rng(5).integers(0, 256, 3 * 4096 + 48, dtype=np.uint8)
+    for chunk in (4096, 16, 1 << 20):
+        got = icuda.device_sums(0, data.ctypes.data, data.nbytes, chunk, stream=7)
+        assert got.tolist() == native.chunk_sums(data.ctypes.data, data.nbytes, chunk).tolist()
+    assert fake.launches[-1] == (data.nbytes, 1 << 20, 7)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        icuda.device_sums(0, data.ctypes.data + 8, 64, 16)
+    fd = os.memfd_create("wc-test")
+    try:
+        os.write(fd, data.tobytes())
+        on_gpu = resident.fd_digests(fd, data.nbytes, SimpleNamespace(type="cuda", index=0), 4096)
+        on_cpu = resident.fd_digests(fd, data.nbytes, SimpleNamespace(type="cpu", index=None), 4096)
+        assert on_gpu.tolist() == on_cpu.tolist() == algorithm.digests_numpy(data, 4096).tolist()
+    finally:
+        os.close(fd)
+    assert not fake.mapped, "the read-only mapping of the fd is undone"
 
 
 @pytest.mark.parametrize("bad", [0, -16, 8, 24, 2.0, True])

@@ -387,7 +387,6 @@ class Daemon:
         self._stop.set()
         self.state = "closed"
         self.server.close()
-        self.guard.forget()
         for b in self._blocks:
             b.close()  # memory lives on in attached engines (and the custodian) until they drop it
         self._blocks = []

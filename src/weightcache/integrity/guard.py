@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 
 from .. import wire
-from ..arena import import_blocks
 from ..errors import WeightCacheError
 from ..manifest import Manifest
 from . import algorithm, resident
@@ -36,33 +35,25 @@ class ResidentGuard:
         self.last = {"verified_at": 0.0, "verify_seconds": 0.0, "verify_result": "", "verify_message": "",
                      "verifications": 0}
         self._lock = threading.Lock()  # one re-hash at a time
-        self._mapped: list | None = None  # read-only views of blocks the daemon does not map (adopted ones)
 
-    def views(self, blocks) -> list:
-        """Read-only byte views of the daemon's blocks on its device; adopted blocks are mapped here, once."""
-        if self._mapped is None:
-            if all(b.tensor is not None for b in blocks):
-                return [b.tensor for b in blocks]
-            fds: list[int] = []
-            try:
-                for b in blocks:
-                    fds.append(b.export_fd(True))
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-            self._mapped = import_blocks(fds, [b.nbytes for b in blocks], self.device, True)
-        return self._mapped
-
-    def forget(self) -> None:
-        self._mapped = None
+    def digests(self, blocks, chunk_bytes: int) -> list:
+        """Each block's digests, computed where it lives: over the daemon's own mapping, or (a block taken over
+        from the custodian, not mapped here) through a read-only mapping of its fd, without torch."""
+        out = []
+        for b in blocks:
+            tensor = getattr(b, "tensor", None)
+            if tensor is not None:
+                out.append(resident.block_digests(tensor, chunk_bytes))
+            else:
+                out.append(resident.fd_digests(b.fd, b.nbytes, self.device, chunk_bytes))
+        return out
 
     def record(self, manifest: Manifest, blocks) -> None:
         """Digest the (sealed) blocks where they live and record the digests in the manifest."""
         if not self.chunk_bytes:
             return
         t0 = time.monotonic()
-        resident.record(manifest, self.views(blocks), self.chunk_bytes)
+        resident.record_digests(manifest, self.digests(blocks, self.chunk_bytes), self.chunk_bytes)
         self.digest_seconds = time.monotonic() - t0
         log.info("digests of %.2f GiB recorded (%s, %d KiB chunks) in %.1f ms", manifest.nbytes / 2**30,
                  manifest.integrity, manifest.chunk_bytes >> 10, self.digest_seconds * 1e3)
@@ -76,13 +67,13 @@ class ResidentGuard:
                 return ""  # this daemon records no digests either
             if not manifest.integrity:
                 return "it carries no digests (this daemon records them: a deposit without them is not trusted)"
-            bad = resident.check(manifest, self.views(blocks))
+            resident.require_digests(manifest)
+            bad = resident.compare(manifest, self.digests(blocks, manifest.chunk_bytes))
             why = resident.describe(bad, manifest.chunk_bytes) if bad else ""
         except _FAILURES as e:
             why = f"cannot verify it ({type(e).__name__}: {e})"
         self.digest_seconds = time.monotonic() - t0
         if why:
-            self.forget()
             return why
         self._note("ok", at, self.digest_seconds, "")
         log.info("the custodian's cache %s matches its digests (verified in %.1f ms)", name, self.digest_seconds * 1e3)
@@ -97,7 +88,8 @@ class ResidentGuard:
             report = wire.VerifyReport(state=state, algorithm=manifest.integrity, chunk_bytes=manifest.chunk_bytes,
                                        nbytes=manifest.nbytes, checked_at=at)
             try:
-                bad = resident.check(manifest, self.views(blocks))
+                resident.require_digests(manifest)
+                bad = resident.compare(manifest, self.digests(blocks, manifest.chunk_bytes))
             except _FAILURES as e:
                 report.message = f"cannot verify: {type(e).__name__}: {e}"
                 report.seconds = time.monotonic() - t0
@@ -131,10 +123,6 @@ class ResidentGuard:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread (and its helpers) only
         except (OSError, AttributeError):
             pass
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(self.device)
         while not stop.wait(self.scrub_interval):
             verify()
 
