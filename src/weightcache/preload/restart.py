@@ -128,6 +128,7 @@ def restart(argv: list[str]) -> int | None:
                          log_level=opts.get("log_level", logging.INFO),
                          keep_on_stop=opts.get("keep_on_stop", False),
                          **({"hold_after_exit": opts["hold_after_exit"]} if "hold_after_exit" in opts else {}),
+                         scrub_interval=opts.get("scrub_interval", 0.0),
                          remember={"argv": rec.argv, "checkpoints": rec.checkpoints, "stamps": rec.stamps},
                          local_rendezvous=True)
     except StartError as e:
