@@ -254,19 +254,21 @@ from procs import bits, sample_tensors  # noqa: E402
 from weightcache import cli, wire  # noqa: E402
 from weightcache.arena.host import HostBlock  # noqa: E402
 from weightcache.client import request_verify  # noqa: E402
-from weightcache.custodian.client import CustodianClient, launch  # noqa: E402
+from weightcache.custodian.client import CustodianClient  # noqa: E402
 from weightcache.daemon import Daemon  # noqa: E402
-from weightcache.errors import DaemonNotReady, WeightCacheError  # noqa: E402
+from weightcache.errors import DaemonNotReady  # noqa: E402
 from weightcache.integrity import IntegrityError  # noqa: E402
 from weightcache.key import CacheKey  # noqa: E402
 from weightcache.manifest import Manifest, validate  # noqa: E402
+from weightcache.sockets import socket_name  # noqa: E402
 
 KEY = CacheKey(model="sample", content_digest="d0")
 CHUNK = 256  # small chunks: a change names only the tensors near it
 
 
-def _sock(sockdir, name="main-r0-cpu-00000000.sock"):
-    return os.path.join(sockdir, name)
+def _sock(sockdir, device: str = "cpu"):
+    """The socket path a daemon of KEY has (the custodian holds caches under it)."""
+    return os.path.join(sockdir, socket_name(KEY, "cpu" if device == "cpu" else "0" * 8))
 
 
 def _offset(manifest: Manifest, name: str) -> tuple[int, int]:
@@ -417,22 +419,20 @@ def test_manifests_with_digests_that_do_not_cover_their_blocks_are_refused():
 
 @pytest.fixture
 def custodian(sockdir):
-    launch(sockdir)
-    client = CustodianClient.connect(sockdir)
-    yield client
-    try:
-        client.stop()
-    except WeightCacheError:
-        pass
-    client.close()
+    """A custodian and our registered connection (we stand for the preload: our daemons carry its token)."""
+    from test_custodian import registered_custodian
+
+    yield from registered_custodian(sockdir)
 
 
-def _poison(custodian_path, name: str, tensor: str) -> None:
-    """What a same-uid process can do: claim the held cache (its key, manifest and blocks), and deposit under the
-    same name sealed memfds with one byte of ``tensor`` changed, with the same key and manifest."""
+def _poison(custodian_path, token: str, name: str, tensor: str) -> None:
+    """What a process holding the preload's credential can do (a buggy or subverted daemon of it): claim the
+    held cache (its key, manifest and blocks), and deposit under the same name sealed memfds with one byte of
+    ``tensor`` changed, with the same key and manifest. The custodian's own checks (credential, seals, sizes)
+    pass; only the digests tell."""
     client = CustodianClient.connect(custodian_path, client="poisoner")
     try:
-        claimed, fds = client.claim(name)
+        claimed, fds = client.claim(name, token)
         manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
         block, at = _offset(manifest, tensor)
         fakes = []
@@ -446,7 +446,7 @@ def _poison(custodian_path, name: str, tensor: str) -> None:
                         | fcntl.F_SEAL_SEAL)
             fakes.append(fake)
             os.close(fd)
-        client.deposit(claimed.holding, claimed.key, claimed.manifest, fakes)
+        client.deposit(claimed.holding, claimed.key, claimed.manifest, fakes, token)
         for fd in fakes:
             os.close(fd)
     finally:
@@ -462,7 +462,7 @@ def test_a_poisoned_deposit_is_refused_and_loaded_afresh(sockdir, custodian, cap
     first.load_tensors(src)
     assert first.held
     first.close()
-    _poison(custodian.path, os.path.basename(sock), "half")
+    _poison(custodian.path, custodian.token, os.path.basename(sock), "half")
     second = Daemon(sock, KEY, custodian=custodian.path, digest_chunk_bytes=CHUNK)
     second.start()
     try:
@@ -494,12 +494,12 @@ def test_a_deposit_stripped_of_its_digests_is_not_adopted(sockdir, custodian, ca
     first.load_tensors(sample_tensors())
     first.close()
     client = CustodianClient.connect(custodian.path)
-    claimed, fds = client.claim(os.path.basename(sock))
+    claimed, fds = client.claim(os.path.basename(sock), custodian.token)
     manifest = msgspec.msgpack.decode(claimed.manifest, type=Manifest)
     manifest.integrity, manifest.chunk_bytes = "", 0
     for b in manifest.blocks:
         b.digests = b""
-    client.deposit(claimed.holding, claimed.key, msgspec.msgpack.encode(manifest), fds)
+    client.deposit(claimed.holding, claimed.key, msgspec.msgpack.encode(manifest), fds, custodian.token)
     for fd in fds:
         os.close(fd)
     client.close()
@@ -535,7 +535,7 @@ def test_the_kernel_matches_the_definition_on_odd_sizes(nbytes):
 
 @pytest.mark.gpu
 def test_a_write_through_a_writable_cuda_mapping_is_caught(sockdir):
-    sock = _sock(sockdir, "main-r0-cuda-00000000.sock")
+    sock = _sock(sockdir, "cuda")
     src = sample_tensors("cuda")
     with wc.publish(src, sock, KEY, digest_chunk_bytes=CHUNK):
         wc.attach(sock, expect=KEY, verify=True).close()
@@ -554,7 +554,7 @@ def test_a_write_through_a_writable_cuda_mapping_is_caught(sockdir):
 
 @pytest.mark.gpu
 def test_a_changed_cuda_cache_is_not_adopted(sockdir, custodian, caplog):
-    sock = _sock(sockdir, "main-r0-cuda-00000000.sock")
+    sock = _sock(sockdir, "cuda")
     src = sample_tensors("cuda")
     first = Daemon(sock, KEY, device="cuda", custodian=custodian.path, digest_chunk_bytes=CHUNK)
     first.start()
