@@ -286,7 +286,7 @@ def run_instanttensor(model: Path, env: dict) -> dict:
             "daemon_peak_x": round(got["peak_bytes"] / got["bytes"], 3)}
 
 
-def make_checkpoint(root: Path, size_gb: float) -> Path:
+def make_checkpoint(root: Path, size_gb: float, sparse: bool = False) -> Path:
     import torch
 
     from weightcache.testing.checkpoints import (
@@ -295,13 +295,13 @@ def make_checkpoint(root: Path, size_gb: float) -> Path:
         make_llama_checkpoint,
     )
 
-    path = root / f"llama-{size_gb:g}gb-bf16"
+    path = root / f"llama-{size_gb:g}gb-{'sparse' if sparse else 'bf16'}"
     if (path / ".complete").exists():
         return path
     shutil.rmtree(path, ignore_errors=True)
     kw = llama_config_for_bytes(int(size_gb * 1e9), torch.bfloat16)
     print(f"writing a {estimate_llama_bytes(dtype=torch.bfloat16, **kw) / 1e9:.2f} GB checkpoint to {path}", flush=True)
-    make_llama_checkpoint(path, dtype=torch.bfloat16, max_shard_bytes=4 << 30, seed=0, **kw)
+    make_llama_checkpoint(path, dtype=torch.bfloat16, max_shard_bytes=4 << 30, seed=0, sparse=sparse, **kw)
     (path / ".complete").touch()
     return path
 
@@ -339,11 +339,13 @@ def main(argv=None) -> int:
     ap.add_argument("--restart", action="store_true", help="SIGKILL each preload and time its restart")
     ap.add_argument("--no-instanttensor", dest="instanttensor", action="store_false")
     ap.add_argument("--cleanup", action="store_true", help="remove the checkpoint afterwards")
+    ap.add_argument("--sparse", action="store_true",
+                    help="every weight zero, the files holes (memory at scale in no time; not for token checks)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
-    model = make_checkpoint(root, a.size_gb)
+    model = make_checkpoint(root, a.size_gb, a.sparse)
     work = Path(tempfile.mkdtemp(prefix="first-load-"))
     gpu = Gpu() if a.device == "cuda" else Gpu.__new__(Gpu)
     if a.device != "cuda":
@@ -359,10 +361,10 @@ def main(argv=None) -> int:
         rows.append(run_instanttensor(model, env_with()))
         print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
-    out = Path(a.out or ROOT / "bench" / "results" / f"first-load-{a.device}-{a.size_gb:g}gb.json")
+    out = Path(a.out or ROOT / "bench" / "results" / f"first-load-{a.device}-{a.size_gb:g}gb{'-sparse' * a.sparse}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M"), "size_gb": a.size_gb,
-            "logs": str(work)}
+            "sparse": a.sparse, "logs": str(work)}
     try:
         import torch
 
