@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import DEVICES
 from procs import block_digests
 from test_restart import sigkill_all
 from test_supervisor import SMALL, Preload, gone, stop_custodian
@@ -66,9 +68,13 @@ def _imported(mods: Path) -> dict[str, set[str]]:
     return {f.stem: set(f.read_text().split()) for f in mods.glob("*.modules")}
 
 
-def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, started):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, started, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
     sdir, mods = tmp_path / "s", tmp_path / "mods"
-    args = [ckpt, "-tp", 2, "--device", "cpu", "--weight-cache-socket-dir", sdir]
+    args = [ckpt, "-tp", n, "--device", device, "--weight-cache-socket-dir", sdir]
     first = Preload(args, env, tmp_path, "p1")
     started.append(first)
     first.wait_ready()
@@ -78,7 +84,7 @@ def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, 
     socks = sorted(str(p) for p in sdir.glob("*.sock"))
     served = {s: block_digests(s) for s in socks}
     sigkill_all(first)
-    _held_by_nobody(sdir, 2)
+    _held_by_nobody(sdir, n)
     for f in mods.glob("*"):
         f.unlink()
 
@@ -89,13 +95,13 @@ def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, 
     took = time.monotonic() - t0
     assert "restarting from preload-" in again.stderr, again.stderr
     imported = _imported(mods)
-    assert set(imported) == {"supervisor", "main-r0", "main-r1"}
+    assert set(imported) == {"supervisor", *(f"main-r{r}" for r in range(n))}
     for who, names in imported.items():
         assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
     assert {s: block_digests(s) for s in socks} == served
-    print(f"READY {took:.2f} s after the restart began (CPU, 2 ranks)")
+    print(f"READY {took:.2f} s after the restart began ({device}, {n} rank(s))")
     sigkill_all(again)
-    _held_by_nobody(sdir, 2)
+    _held_by_nobody(sdir, n)
 
     # the record names keys the custodian does not hold: the daemons find nothing, the start runs in full
     raw = json.loads(recs[0].read_text())
@@ -108,9 +114,9 @@ def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, 
     started.append(third)
     third.wait_ready()
     assert "starting again in full" in third.stderr, third.stderr
-    assert "transformers" in _imported(mods)["main-r1"]
+    assert "transformers" in _imported(mods)[f"main-r{n - 1}"]
     sigkill_all(third)
-    _held_by_nobody(sdir, 2)
+    _held_by_nobody(sdir, n)
 
     # a changed checkpoint file (its mtime put back: ctime still tells): the full path, a fresh load
     cfg = Path(ckpt) / "config.json"
