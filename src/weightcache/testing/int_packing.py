@@ -39,15 +39,20 @@ def quantize_groups(w: torch.Tensor, bits: int, group_size: int, *, symmetric: b
 
     if symmetric:
         half = 1 << (bits - 1)
-        scale = (reduce(wf.abs(), "amax") / (half - 1)).clamp(min=1e-8)
+        scale = _snap(reduce(wf.abs(), "amax") / (half - 1))
         zero = torch.full((out_f, groups), half, dtype=torch.int32)
     else:
         lo, hi = reduce(wf, "amin").clamp(max=0), reduce(wf, "amax").clamp(min=0)
-        scale = ((hi - lo) / maxq).clamp(min=1e-8)
+        scale = _snap((hi - lo) / maxq)
         zero = (-lo / scale).round().clamp(0, maxq).to(torch.int32)
-    scale = scale.to(torch.bfloat16).float()  # exact in fp16 and bf16: every format stores the same scales
     q = (wf / scale[:, g_idx.long()]).round() + zero[:, g_idx.long()]
     return q.clamp(0, maxq).to(torch.int32), scale, zero, g_idx
+
+
+def _snap(scale: torch.Tensor) -> torch.Tensor:
+    """Scales rounded up to bf16 values (exact in fp16 and bf16 too: every format then stores the same scales, and
+    no value leaves the integer range)."""
+    return (scale.clamp(min=1e-8) * (1 + 2 ** -7)).to(torch.bfloat16).float()
 
 
 def pack_int32(q: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -126,8 +126,8 @@ def check_quantization(model) -> None:
     if bad:
         listed = "; ".join(f"{label}: {len(layers)} layer(s), e.g. {', '.join(layers[:_LISTED])}"
                            for label, layers in bad.items())
-        rule = ("this vLLM's methods declare supports_pre_processed_weights" if declared
-                else "see the quantization table of weightcache's docs/vllm.md")
+        rule = ("on this vLLM it takes the methods that declare supports_pre_processed_weights" if declared
+                else "docs/vllm.md lists what it takes on this vLLM")
         raise UnsupportedQuantization(
             f"weightcache cannot capture the post-load state of these quantization methods faithfully: {listed}; "
-            f"load this model from disk instead (without --load-format weightcache), {rule}")
+            f"load this model from disk instead (without --load-format weightcache; {rule})")
