@@ -148,12 +148,13 @@ def _add_tensors(path: Path, extra: dict) -> None:
 
 def make_compressed_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0,
                                    strategy: str = "channel", dynamic: bool = True, kv_cache: bool = False,
-                                   **shape) -> Path:
+                                   weight_only: bool = False, **shape) -> Path:
     """compressed-tensors' "float-quantized" format, as llm-compressor writes FP8 models: each linear weight in
     float8_e4m3fn with a float32 ``weight_scale`` per output channel (``strategy="channel"``, shape [out, 1]) or
     per tensor (``"tensor"``, shape [1]); activations dynamic per token (``dynamic=True``, FP8-dynamic) or static
-    per tensor with an ``input_scale`` [1]; ``kv_cache``: FP8 KV-cache scales ``self_attn.k_scale`` /
-    ``v_scale`` and a ``kv_cache_scheme``. The LM head (and a MoE router) stays bf16."""
+    per tensor with an ``input_scale`` [1], or not quantized (``weight_only``, FP8 W8A16); ``kv_cache``: FP8
+    KV-cache scales ``self_attn.k_scale`` / ``v_scale`` and a ``kv_cache_scheme``. The LM head (and a MoE router)
+    stays bf16."""
     if strategy not in ("channel", "tensor"):
         raise ValueError(f"strategy must be 'channel' or 'tensor', got {strategy!r}")
     path = Path(path)
@@ -165,13 +166,15 @@ def make_compressed_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, s
         else:
             scale = (w.float().abs().amax().reshape(1) / FP8_MAX).clamp(min=1e-12)
         out = {"weight": _fp8(w, scale), "weight_scale": scale}
-        if not dynamic:
+        if not dynamic and not weight_only:
             out["input_scale"] = (0.01 + 0.02 * torch.rand(1, generator=g)).float()
         return out
 
     cfg, _, plain = _rewrite(path, family, seed, shape, convert)
     fp8 = dict(num_bits=8, kind="float")
     inputs = _ct_args(**fp8, strategy="token", dynamic=True) if dynamic else _ct_args(**fp8, strategy="tensor")
+    if weight_only:
+        inputs = None
     cfg["quantization_config"] = _ct_config("float-quantized", _ct_args(**fp8, strategy=strategy), inputs, family,
                                             kv_cache)
     _write_config(path, cfg)

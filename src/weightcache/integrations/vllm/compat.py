@@ -100,8 +100,10 @@ def _rebuild_linear_kernel(layer, kernel) -> None:
 
     perm = torch.argsort(getattr(layer, gidx_name)).to(torch.int)
     kernel.act_perm = lambda x: x[:, perm]
-    if c.act_type in (torch.float16, torch.bfloat16) and c.partition_weight_shape[0] % 8 == 0:
-        kernel.act_perm = functools.partial(ops.permute_cols, perm=perm)
+    permute_cols = getattr(ops, "permute_cols", None)  # a CUDA op: absent where Machete cannot run anyway
+    if permute_cols is not None and c.act_type in (torch.float16, torch.bfloat16) and \
+            c.partition_weight_shape[0] % 8 == 0:
+        kernel.act_perm = functools.partial(permute_cols, perm=perm)
 
 
 def _rebuild_moe_kernel(layer, qm) -> None:
