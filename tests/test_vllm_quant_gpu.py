@@ -73,10 +73,12 @@ METHODS = {
     "awq": ("awq", {}, {}),
     "awq-marlin": ("awq", {}, NO_MACHETE),
     "modelopt-fp8-kv": ("modelopt-fp8", {}, {}),
+    "fp8-block": ("fp8-block", {}, {}),  # DeepSeek-V3 / Qwen3-FP8
 }
 DENSE_CASES = [f"dense-{m}" for m in METHODS]
 MOE_CASES = [f"moe-{m}" for m in ("ct-fp8-channel", "ct-fp8-tensor-static-kv", "ct-int8", "ct-w4a16",
-                                   "ct-w4a16-act", "gptq4", "gptq4-act", "gptq8", "awq", "modelopt-fp8-kv")]
+                                   "ct-w4a16-act", "gptq4", "gptq4-act", "gptq8", "awq", "modelopt-fp8-kv",
+                                   "fp8-block")]
 MIXTRAL_CASES = ["mixtral-ct-w4a16", "mixtral-gptq4", "mixtral-ct-fp8-channel"]
 KERNEL_LINES = re.compile(r"(Using \S+ for \S+|Selected \S+ for \S+|Using '[^']+' \S+ MoE backend|"
                           r"Using \S+(?:Experts|MoE)\S*)")
