@@ -287,3 +287,23 @@ def test_kernel_choice_reads_the_backends_and_the_environment(monkeypatch):
     monkeypatch.setenv("VLLM_HOST_IP", "10.0.0.1")  # not a kernel choice
     assert kernel_choice(cfg) == "linear=auto,moe=marlin,VLLM_DISABLED_KERNELS=MacheteLinearKernel"
     assert kernel_choice(types.SimpleNamespace()).startswith("linear=auto,moe=auto")
+
+
+def test_a_quantization_method_that_is_itself_a_module_is_found_on_its_layer(without_pre_processed_mode):
+    """vLLM's MoE methods are modules (CustomOp): the owner "<layer>.quant_method" names a module too."""
+    calls = []
+
+    class ModuleMethod(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wna16_moe_backend = "MARLIN"
+
+        def _setup_kernel(self, lay):
+            calls.append(lay)
+
+    model = nn.Module()
+    model.experts = nn.Module()
+    model.experts.routed = nn.Module()
+    model.experts.routed.quant_method = ModuleMethod()
+    assert vllm_loader.rebuild_kernels(model, ["experts.routed.quant_method"]) == 1
+    assert calls == [model.experts.routed]

@@ -147,17 +147,18 @@ def rebuild_kernels(model: nn.Module, owners) -> int:
 
 
 def _owner(model: nn.Module, modules: dict, owner: str) -> tuple[str, object]:
-    """(the layer holding ``owner``, the object at ``owner``): the longest module path, then plain attributes."""
+    """(the layer holding ``owner``, the object at ``owner``): the longest module path that has a quantization
+    method (which may itself be a module), then plain attributes."""
     parts = owner.split(".") if owner else []
-    for cut in range(len(parts), -1, -1):
+    for cut in range(len(parts) - 1, -1, -1):
         name = ".".join(parts[:cut])
         layer = modules.get(name)
-        if layer is None:
+        if layer is None or getattr(layer, "quant_method", None) is None:
             continue
         obj = layer
         for attr in parts[cut:]:
             obj = getattr(obj, attr, None)
-        if obj is not None and obj is not layer and getattr(layer, "quant_method", None) is not None:
+        if obj is not None:
             return name, obj
         break
     raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
