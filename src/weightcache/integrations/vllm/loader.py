@@ -3,8 +3,10 @@
 The model is built on the meta device (no checkpoint read); the daemon's tensors are bound in place of
 every parameter, buffer and tensor attribute (parameters keep their class and attributes, e.g.
 ``weight_loader``), the host-side scalars its loading set are set, and what it deleted is deleted. Weight
-post-processing is not run again. The one thing made here is what cannot cross a process: on vLLM's CPU
-backend, the GEMM kernel handles made from each unquantized weight (as vLLM's post-processing makes them).
+post-processing is not run again. What is made here cannot cross a process: the kernel objects post-processing
+built from the processed weights (MoE kernels, Machete's activation permutation; no tensor is transformed),
+private copies of the scratch tensors kernels write (Marlin's workspace), and on vLLM's CPU backend the GEMM
+kernel handles made from each unquantized weight (as vLLM's post-processing makes them).
 
 Options (``--model-loader-extra-config '{...}'``):
 
@@ -112,26 +114,61 @@ def target_device(vllm_config: VllmConfig, load_config: LoadConfig) -> torch.dev
 
 
 def bind_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], roles: dict[str, str], meta: dict) -> int:
-    """Bind attached tensors into a model built on the meta device; returns how many names were bound."""
+    """Bind attached tensors into a model built on the meta device; returns how many names were bound. Scratch
+    tensors that kernels write while running (``SCRATCH_ATTRIBUTES``, e.g. Marlin's workspace) are bound as this
+    engine's own copies: the attached ones are shared and read-only."""
     from .common import META_NAME
 
-    return len(bind_captured(model, tensors, roles, meta, skip=frozenset({META_NAME})))
+    return len(bind_captured(model, private_scratch(tensors, meta), roles, meta, skip=frozenset({META_NAME})))
+
+
+def private_scratch(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """``tensors`` with every scratch tensor (one named so, or aliased under such a name) replaced by a copy."""
+    from .common import SCRATCH_ATTRIBUTES
+
+    def scratch(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in SCRATCH_ATTRIBUTES
+
+    names = {n for n in tensors if scratch(n)}
+    names |= {canonical for alias, canonical in meta.get("aliases", {}).items() if scratch(alias)}
+    return {n: (t.clone() if n in names else t) for n, t in tensors.items()}
 
 
 def rebuild_kernels(model: nn.Module, owners) -> int:
-    """Rebuild the kernel objects the daemon's post-processing made from the processed weights (MoE
-    kernels), for each recorded owner (a layer's quantization method), from the weights just bound."""
+    """Rebuild the objects the daemon's post-processing made from the processed weights (MoE kernels, Machete's
+    activation permutation), for each recorded owner (a layer's quantization method, or a linear kernel it or
+    the layer's scheme holds), from the weights just bound. Returns how many layers were rebuilt."""
+    from .compat import has_pre_processed_mode
     from .compat import rebuild_kernels as rebuild
 
     modules = dict(model.named_modules(remove_duplicate=False))
+    done: set[str] = set()
     for owner in owners:
-        name = owner.removesuffix(".quant_method") if owner != "quant_method" else ""
+        layer_name, obj = _owner(model, modules, owner)
+        if has_pre_processed_mode() and layer_name in done:
+            continue  # vLLM's pre-processed mode rebuilds a whole layer at once
+        rebuild(modules[layer_name], obj)
+        done.add(layer_name)
+    return len(done)
+
+
+def _owner(model: nn.Module, modules: dict, owner: str) -> tuple[str, object]:
+    """(the layer holding ``owner``, the object at ``owner``): the longest module path that has a quantization
+    method (which may itself be a module), then plain attributes."""
+    parts = owner.split(".") if owner else []
+    for cut in range(len(parts) - 1, -1, -1):
+        name = ".".join(parts[:cut])
         layer = modules.get(name)
         if layer is None or getattr(layer, "quant_method", None) is None:
-            raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
-                                   "the daemon was built for another configuration")
-        rebuild(layer)
-    return len(owners)
+            continue
+        obj = layer
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return name, obj
+        break
+    raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
+                           "the daemon was built for another configuration")
 
 
 def bind_cpu_kernels(model: nn.Module) -> int:
