@@ -45,7 +45,7 @@ from .common import (
 
 log = logging.getLogger("weightcache.integrations.vllm.producer")
 
-_ORIGINAL = "_weightcache_original"  # marks parameters that existed before post-processing
+_ORIGINAL = "_weightcache_original"  # marks parameters that existed before post-processing: (dtype, shape)
 _MAX_LISTED = 8
 STREAMED_FORMATS = ("auto", "safetensors", "hf")  # load formats whose safetensors files our reader reads
 
@@ -68,7 +68,8 @@ def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, tor
         log.warning("not caching %d meta tensor(s) the loader left unset, e.g. %s", len(skipped),
                     ", ".join(skipped[:_MAX_LISTED]))
     replaced = sorted(n for n, r in roles.items()
-                      if r == "parameter" and not tensors[n].__dict__.pop(_ORIGINAL, False))
+                      if r == "parameter" and tensors[n].__dict__.pop(_ORIGINAL, None)
+                      != (tensors[n].dtype, tuple(tensors[n].shape)))
     scalars, deleted, created, rebuilt = (state_changes(before, python_state(model)) if before is not None
                                           else ({}, [], [], []))
     if created:
@@ -154,7 +155,7 @@ def build_model(vllm_config, model_config, *, prefix: str = "", read: ReadSettin
         phases["construct"] = time.monotonic() - t0
         check_quantization(model)
         for p in model.parameters():
-            p.__dict__[_ORIGINAL] = True
+            p.__dict__[_ORIGINAL] = (p.dtype, tuple(p.shape))  # one reshaped in place counts as replaced
         seen["before"] = python_state(model)
         seen["marked"] = _defer_cpu_gemm_dispatch(model)
         t1 = time.monotonic()
@@ -252,6 +253,8 @@ class VllmSource(Producer):
                                             phases=daemon.phases)
             tensors, roles = capture(model, before)
             del before
+            if p.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # post-processing's transients must not sit under the first arena block
             log.info("%s rank %d: %d tensors (%.1f MiB) from vLLM's loader (%s read the checkpoint)", self.role,
                      p.rank, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
                      "weightcache's reader" if read is not None else "vLLM")
