@@ -550,3 +550,10 @@ def test_the_default_imports_make_no_cuda_context(sockdir, tmp_path):
     finally:
         w.proc.terminate()
         w.proc.wait(T)
+
+
+def test_the_client_and_preloads_handle_import_no_engine():
+    code = ("import sys, weightcache.warm.client, weightcache.warm.service, weightcache.warm.launcher; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=T, env=_env(Path("/nonexistent")))
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

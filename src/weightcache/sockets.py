@@ -77,15 +77,20 @@ def ensure_private_dir(path: str | Path) -> Path:
 
 def device_tag(device) -> str:
     """"cpu", or a short hash of the GPU's UUID (indices change with CUDA_VISIBLE_DEVICES, UUIDs do not)."""
+    if str(getattr(device, "type", device)) == "cpu":
+        return "cpu"
     import torch
 
     device = torch.device(device)
-    if device.type == "cpu":
-        return "cpu"
     from .arena.cuda import gpu_uuid
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return hashlib.sha256(gpu_uuid(index).encode()).hexdigest()[:8]
+    return tag_of_uuid(gpu_uuid(index))
+
+
+def tag_of_uuid(uuid: str) -> str:
+    """A GPU's short tag in socket names, from its UUID (as torch prints it)."""
+    return hashlib.sha256(uuid.encode()).hexdigest()[:8]
 
 
 def socket_name(key: CacheKey, tag: str) -> str:
