@@ -16,7 +16,8 @@ first line (interpreter + imports) -> the engine core's first line (config, engi
 interpreters' own imports are paid before the runs and reported apart. Prints a markdown table of medians and
 writes bench/results/warm-start-<device>.json.
 
-    python bench/warm_start.py --runs 3 --workdir /tmp/wcws
+    python bench/warm_start.py --runs 3 --workdir /tmp/wcws                                   # CPU
+    python bench/warm_start.py --runs 3 --kinds cold,warm --compile --workdir /dev/shm/wcws   # GPU: vLLM's defaults
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def main() -> int:
     for kind, info in warm_info.items():
         print(f"\n{kind}: {info['ready_line']}")
     print(f"\nsame completion text in every run: {len(texts) == 1}")
-    device = "cpu"
+    device = "gpu" if os.path.exists("/dev/nvidia0") else "cpu"
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"warm-start-{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
