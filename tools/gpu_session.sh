@@ -30,9 +30,12 @@ fi
 SITE=""
 for s in /tmp/site-vllm /tmp/site-wcdeps /tmp/site-loaders; do [ -d "$s" ] && SITE="$SITE:$s"; done
 export PYTHONPATH="$PWD/src$SITE"
-if [ -d /tmp/site-vllm ] && [ ! -e /tmp/site-vllm/.wc-installed ]; then  # the plugin's entry point
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/wc-plugin . >/dev/null 2>&1 \
-    && cp -r /tmp/wc-plugin/weightcache-*.dist-info /tmp/site-vllm/ && touch /tmp/site-vllm/.wc-installed
+if [ -d /tmp/site-vllm ] && [ ! -d /tmp/site-vllm/weightcache-0.1.0.dist-info ]; then
+  # vLLM finds the plugin through its entry point: metadata only, the code is src/ (first on the path)
+  mkdir -p /tmp/site-vllm/weightcache-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.1.0\n' > /tmp/site-vllm/weightcache-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\nweightcache = weightcache.integrations.vllm.plugin:register\n' \
+    > /tmp/site-vllm/weightcache-0.1.0.dist-info/entry_points.txt
 fi
 what=${1:-check}; shift || true
 case "$what" in
