@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..native_build import build
+from ..native_build import CACHE_ENV, build  # noqa: F401  (CACHE_ENV: where it is built, for tests)
 from . import algorithm
 
 log = logging.getLogger("weightcache.integrity")
