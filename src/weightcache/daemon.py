@@ -12,10 +12,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import NamedTuple
 
 from . import integrity, wire
 from .errors import ProtocolError, WeightCacheError
+from .gpus import DeviceSpec
 from .handover import Handover
 from .integrity.guard import ResidentGuard
 from .key import CacheKey, diff
@@ -27,36 +27,6 @@ log = logging.getLogger("weightcache.daemon")
 IDLE_TIMEOUT = 60.0  # a connection that is not attached is dropped this long after its last Hello
 MAX_PER_PEER = 64  # connections one process may hold (attached or not)
 STATUS_RESERVE = 8  # connections past max_clients that may only ask for status
-
-
-class DeviceSpec(NamedTuple):
-    """Where a daemon's memory lives, without torch: "cpu" or ("cuda", index)."""
-
-    type: str
-    index: int | None = None
-
-    def __str__(self) -> str:
-        return self.type if self.index is None else f"{self.type}:{self.index}"
-
-    @classmethod
-    def of(cls, device) -> DeviceSpec:
-        if hasattr(device, "type"):  # a torch.device
-            spec = cls(device.type, device.index)
-        else:
-            kind, _, index = str(device).partition(":")
-            spec = cls(kind, int(index) if index else None)
-        if spec.type not in ("cpu", "cuda"):
-            raise ValueError(f"unsupported daemon device {device!r} (cpu or cuda[:N])")
-        if spec.type == "cuda" and spec.index is None:
-            import torch
-
-            spec = cls("cuda", torch.cuda.current_device())
-        return spec if spec.type == "cuda" else cls("cpu")
-
-    def torch(self):
-        import torch
-
-        return torch.device(str(self))
 
 
 class Daemon:

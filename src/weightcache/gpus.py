@@ -1,10 +1,11 @@
-"""Which GPU a device index is, without torch: its UUID from the CUDA driver (NVIDIA's cuda-bindings), in the
-form torch gives it (``torch.cuda.get_device_properties(i).uuid``). Indices change with CUDA_VISIBLE_DEVICES;
-UUIDs do not."""
+"""Devices without torch: where a daemon's memory lives (DeviceSpec), and which GPU a device index is, by
+its UUID from the CUDA driver (NVIDIA's cuda-bindings) in the form torch gives it
+(``torch.cuda.get_device_properties(i).uuid``). Indices change with CUDA_VISIBLE_DEVICES; UUIDs do not."""
 
 from __future__ import annotations
 
 import uuid
+from typing import NamedTuple
 
 
 def uuid_text(raw: bytes) -> str:
@@ -32,3 +33,33 @@ def uuid_of(index: int) -> str | None:
         return uuid_text(got.bytes)
     except Exception:  # noqa: BLE001 - an unexpected bindings API: unknown, not an error
         return None
+
+
+class DeviceSpec(NamedTuple):
+    """Where a daemon's memory lives, without torch: "cpu" or ("cuda", index)."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @classmethod
+    def of(cls, device) -> DeviceSpec:
+        if hasattr(device, "type"):  # a torch.device
+            spec = cls(device.type, device.index)
+        else:
+            kind, _, index = str(device).partition(":")
+            spec = cls(kind, int(index) if index else None)
+        if spec.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported daemon device {device!r} (cpu or cuda[:N])")
+        if spec.type == "cuda" and spec.index is None:
+            import torch
+
+            spec = cls("cuda", torch.cuda.current_device())
+        return spec if spec.type == "cuda" else cls("cpu")
+
+    def torch(self):
+        import torch
+
+        return torch.device(str(self))
