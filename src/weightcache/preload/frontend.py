@@ -230,6 +230,52 @@ def _check_config(role: str, path: str, tp_size: int, tp_plan) -> None:
             raise UsageError(f"{role} model {path}: {e}") from None
 
 
+TORCH_WEIGHTS = (".bin", ".pt", ".pth")  # what transformers also reads, besides safetensors
+
+
+def _check_weights(role: str, path: str, engine: str) -> None:
+    """The weight files by their headers alone (no tensor is read): a format the engine reads, and safetensors
+    headers that parse, with dtypes this torch has, non-negative shapes and tensors that do not overlap.
+    Refused here, in one line, before any daemon starts."""
+    from ..reader.header import checkpoint_entries, read_header
+    from ..reader.reading import CheckpointError
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            found = sorted({f.suffix for f in p.iterdir() if f.suffix in (".safetensors", *TORCH_WEIGHTS, ".gguf")})
+            readable = {".safetensors"} if engine == "safetensors" else {".safetensors", *TORCH_WEIGHTS}
+            if not readable & set(found):
+                raise UsageError(f"{role} model {path}: no weights --engine {engine} reads (it reads "
+                                 f"{', '.join('*' + x for x in sorted(readable))}; found "
+                                 f"{', '.join('*' + x for x in found) or 'none'})"
+                                 + ("; convert the GGUF file to safetensors" if ".gguf" in found else ""))
+        if engine == "safetensors":
+            checkpoint_entries(p)  # the files and index the daemons will read
+        elif p.is_dir():
+            for f in sorted(p.glob("*.safetensors")):
+                read_header(f)
+    except CheckpointError as e:
+        raise UsageError(f"{role} model: {e}") from None
+    except OSError as e:
+        raise UsageError(f"{role} model {path}: {e}") from None
+
+
+def _check_local_ranks(device: str, layouts) -> None:
+    """On CPU every local rank is a daemon process of its own: refuse more of them than this machine has CPUs
+    (on CUDA the layout already refuses more ranks than visible devices)."""
+    if device != "cpu":
+        return
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for lay in layouts:
+        if lay.local_size > cpus:
+            raise UsageError(f"{lay.role}: this node would run {lay.local_size} daemon(s) ({lay.describe()}) on "
+                             f"--device cpu but only {cpus} CPU(s) are available; use smaller parallel sizes or "
+                             "more nodes")
+
+
 def _free_port() -> int:
     import socket
 
@@ -295,6 +341,7 @@ def _preload(args) -> int:
         plans.append(("draft", args.draft_model, draft_layout, draft_port))
     for role, path, layout, _ in plans:
         _check_config(role, path, layout.tp, tp_plan)
+    _check_local_ranks(device, [p[2] for p in plans])
     roles, world = [p[0] for p in plans], max(p[2].world_size for p in plans)
     resolve_socket_dir(args.weight_cache_socket_dir, roles, world, device, create=False)  # refused before any work
 
@@ -320,6 +367,7 @@ def _preload(args) -> int:
 
     groups = []
     for role, path, layout, port in plans:
+        _check_weights(role, path, args.engine)
         try:
             checkpoint_digest(path)  # hashed once here; every daemon then only stat()s the files
         except OSError as e:
