@@ -327,3 +327,57 @@ def test_slow_loris_cannot_take_the_health_port():
             attack.close()
         proc.stdin.close()
         proc.wait(10)
+
+
+# --- what the health port shows to any local user ---
+
+def _with_paths():
+    current = entries("ready", "loading")
+    for e in current:
+        e.status = status(e.rank, e.status.state, key=CacheKey(model="/home/alice/models/secret-llama",
+                                                                content_digest="sha256:aa", rank=e.rank))
+    current.append(DaemonEntry("draft", 0, "/tmp/x/draft-r0.sock", pid=777, alive=True,
+                               error="no daemon at /tmp/x/draft-r0.sock (no such socket)"))
+    return current
+
+
+def test_status_shows_no_pids_or_paths_without_details():
+    current = _with_paths()
+    info = {"node_rank": 0, "socket_dir": "/run/user/1000/weightcache", "custodian": {"up": True, "pid": 55,
+                                                                                     "socket": "/run/x/c.ctl"}}
+    client = TestClient(build_app(lambda: current, info=lambda: info))
+    text = client.get("/status").text + client.get("/health").text + client.get("/metrics").text
+    for secret in ("/home/alice", "/tmp/x", "/run/", '"pid"', '"socket"', "socket_dir"):
+        assert secret not in text, secret
+    body = client.get("/status").json()
+    assert body["details"] is False and body["custodian"] == {"up": True}
+    d = body["daemons"][0]
+    assert d["status"]["key"]["model"] == "secret-llama" and d["state"] == "ready" and d["status"]["nbytes"] == 4096
+    assert body["daemons"][2]["error"] == "no daemon at draft-r0.sock (no such socket)"
+    assert "draft rank 0: unreachable (no daemon at draft-r0.sock (no such socket))" in client.get("/health").text
+    assert 'model="secret-llama"' in client.get("/metrics").text
+
+
+def test_status_details_on_request():
+    current = _with_paths()
+    client = TestClient(build_app(lambda: current, info=lambda: {"socket_dir": "/run/x"}, details=True))
+    body = client.get("/status").json()
+    assert body["details"] is True and body["socket_dir"] == "/run/x"
+    assert body["daemons"][0]["pid"] == 100 and body["daemons"][0]["socket"] == "/tmp/x/main-r0.sock"
+    assert body["daemons"][0]["status"]["key"]["model"] == "/home/alice/models/secret-llama"
+    assert 'model="/home/alice/models/secret-llama"' in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("/models/llama", "llama"),
+    ("no daemon at /tmp/x/main-r0.sock: refused", "no daemon at main-r0.sock: refused"),
+    ("cannot read '/x/y/z.json' (oops)", "cannot read 'z.json' (oops)"),
+    ("/a/b/", "b"),
+    ("http://10.0.0.1:80/health and org/model", "http://10.0.0.1:80/health and org/model"),
+    ("process exited with code -9", "process exited with code -9"),
+    ("sha256:abc", "sha256:abc"),
+])
+def test_strip_paths(text, shown):
+    from weightcache.preload.http import strip_paths
+
+    assert strip_paths(text) == shown

@@ -341,7 +341,6 @@ def _preload(args) -> int:
         plans.append(("draft", args.draft_model, draft_layout, draft_port))
     for role, path, layout, _ in plans:
         _check_config(role, path, layout.tp, tp_plan)
-    _check_local_ranks(device, [p[2] for p in plans])
     roles, world = [p[0] for p in plans], max(p[2].world_size for p in plans)
     resolve_socket_dir(args.weight_cache_socket_dir, roles, world, device, create=False)  # refused before any work
 
@@ -363,6 +362,7 @@ def _preload(args) -> int:
         except ValueError as e:
             raise UsageError(f"--dtype: {e}") from None
 
+    _check_local_ranks(device, [p[2] for p in plans])
     from ..digests import checkpoint_digest
 
     groups = []
