@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 
@@ -381,3 +382,48 @@ def test_strip_paths(text, shown):
     from weightcache.preload.http import strip_paths
 
     assert strip_paths(text) == shown
+
+
+@pytest.mark.slow
+def test_a_preload_under_slow_loris_still_replaces_a_killed_daemon(tmp_path):
+    """The finding end to end: a preload with 256 descriptors, a few hundred slow clients on its health port,
+    a daemon SIGKILLed meanwhile: /health keeps answering and the replacement starts."""
+    import json
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    model, sdir = tmp_path / "m", tmp_path / "s"
+    model.mkdir()
+    save_file({"w": torch.ones(256, 256)}, str(model / "model.safetensors"))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.cli", "preload", str(model), "--engine", "safetensors", "--device", "cpu",
+         "--weight-cache-socket-dir", str(sdir), "--weight-cache-health-port", "0", "--weight-cache-status-details"],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "preload.stderr", "w"), text=True, env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    attack = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("weightcache READY"), (tmp_path / "preload.stderr").read_text()
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        attack = SlowLoris(port, 300)
+        time.sleep(1.0)
+        assert _get(port).startswith(b"HTTP/1.1 200")
+        body = _get(port, "/status").split(b"\r\n\r\n", 1)[1]
+        os.kill(json.loads(body)["daemons"][0]["pid"], signal.SIGKILL)
+        seen, deadline = set(), time.monotonic() + 120
+        while not (seen >= {503} and _get(port).startswith(b"HTTP/1.1 200")):
+            seen.add(int(_get(port)[9:12]))
+            assert time.monotonic() < deadline, (seen, (tmp_path / "preload.stderr").read_text())
+            time.sleep(0.1)
+        assert "is back (replacement 1" in (tmp_path / "preload.stderr").read_text()
+    finally:
+        if attack is not None:
+            attack.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "preload.stderr").read_text()
+    assert "Too many open files" not in (tmp_path / "preload.stderr").read_text()
