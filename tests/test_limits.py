@@ -353,3 +353,50 @@ def test_preload_past_rlimit_fsize_exits_3_in_one_line(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "exited with code 3: ArenaOutOfMemory: cannot reserve" in proc.stderr and "RLIMIT_FSIZE" in proc.stderr
+
+
+PINGERS = r"""
+import socket, sys, threading, time
+from weightcache import wire
+
+def ping_forever(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    try:
+        s.connect(path)
+        while True:
+            wire.send_msg(s, wire.Ping())
+            wire.recv_msg(s)
+            time.sleep(0.05)
+    except Exception:
+        pass  # refused or dropped: this one is done
+
+for _ in range(int(sys.argv[2])):
+    threading.Thread(target=ping_forever, args=(sys.argv[1],), daemon=True).start()
+print("PINGING", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_five_processes_of_pingers_leave_attach_an_answer_at_once(sockdir):
+    """Five processes with 64 pinging connections each against a daemon with 256 descriptors: an attach with
+    wait=0 gets in or is told "busy", never left waiting for its timeout."""
+    proc = start_daemon(_sock(sockdir), nofile=256, max_per_peer=64)
+    pingers = [subprocess.Popen([os.sys.executable, "-c", PINGERS, _sock(sockdir), "64"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(5)]
+    try:
+        for p in pingers:
+            assert p.stdout.readline().strip() == "PINGING"
+        time.sleep(1.0)
+        for _ in range(3):
+            try:
+                with wc.attach(_sock(sockdir), expect=KEY, wait=0, timeout=5.0) as att:
+                    assert att["embed"].shape[0] == 97
+            except wc.DaemonBusy:
+                pass  # DaemonUnavailable (no answer within the timeout) fails the test
+    finally:
+        for p in pingers:
+            p.kill()
+            p.wait()
+        proc.kill()
+        proc.wait()
