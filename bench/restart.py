@@ -168,7 +168,7 @@ def run_daemon(model: str, socket_dir: str, device: str, dtype: str) -> None:
     d = Daemon(socket_path(socket_dir, key, device_tag(device)), key, device=device)
     d.start()
     t0 = time.perf_counter()
-    src.load_into(d)
+    src.produce(d)
     st = d.status()
     print("READY " + json.dumps({"load_seconds": time.perf_counter() - t0, "nbytes": st.nbytes,
                                  "peak_device_bytes": st.peak_device_bytes}), flush=True)

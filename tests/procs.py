@@ -86,10 +86,12 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from procs import sample_tensors
 from weightcache.daemon import Daemon
+from weightcache.handover import use_credential
 from weightcache.key import CacheKey
 device = {device!r}
 if device.startswith("cuda"):
     torch.cuda.set_device(0)
+use_credential({custodian!r}, sys.stdin.readline().strip())
 d = Daemon({sock!r}, CacheKey(model="sample", content_digest={digest!r}), device=device, custodian={custodian!r})
 d.start()
 if d.adopt():
@@ -107,12 +109,15 @@ d.serve_forever()
 
 
 def start_held_daemon(sock: str, custodian: str, device: str = "cpu", digest: str = "d0",
-                      big_mb: int = 0) -> tuple[subprocess.Popen, str]:
+                      big_mb: int = 0, token: str = "") -> tuple[subprocess.Popen, str]:
     """A daemon process that takes its cache from the custodian, or loads sample tensors (plus `big_mb` MiB)
-    and deposits them; returns it and "ADOPTED" or "LOADED"."""
+    and deposits them; returns it and "ADOPTED" or "LOADED". `token`: the credential of the preload it
+    belongs to (its caller registered it), given on its stdin."""
     code = HELD_DAEMON_SCRIPT.format(tests=os.path.dirname(__file__), device=device, sock=sock,
                                      custodian=custodian, digest=digest, big_mb=big_mb)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.stdin.write(token + "\n")
+    proc.stdin.close()
     line = proc.stdout.readline().split()
     if line[:1] != ["READY"]:
         proc.kill()

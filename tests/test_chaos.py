@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +206,126 @@ def test_chaos_then_the_daemon_or_its_replacement_serves_the_right_bytes(sockdir
                 p.kill()
                 p.wait()
         log.close()
+
+
+# ------------------------------------------------------------------------------------------- the custodian
+
+def _stalled_claim(sockdir, name: str, token: str):
+    """A client that claims a cache and never reads the answer."""
+    from weightcache.custodian.messages import Claim, Hello
+    from weightcache.custodian.messages import _decoder as custodian_decoder
+    from weightcache.sockets import custodian_socket_path
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(custodian_socket_path(sockdir)))
+    wire.send_msg(s, Hello(protocol=2))
+    wire.recv_msg(s, deadline=time.monotonic() + 5, decoder=custodian_decoder)
+    wire.send_msg(s, Claim(name=name, token=token))
+    return s
+
+
+def test_custodian_chaos_a_blocked_client_sigstop_sigkill_and_a_poisoned_deposit(sockdir, tmp_path, capsys):
+    """While engines attach: a claimer stops reading (everyone else is served; it is dropped), the custodian
+    is stopped (reported as such, never as holding nothing; a new preload refuses to start) and killed (the
+    preload starts a new one and the daemon deposits its cache with it again), and a process outside the
+    preload deposits a poisoned block under the cache's name (refused). A replacement daemon then serves the
+    right bytes without a load."""
+    import json
+
+    import msgspec
+
+    from procs import block_digests, start_held_daemon
+    from test_custodian import NAME, one_block, sealed_memfd, wait_for
+    from test_custodian_trust import OUTSIDER, _manifest_for
+    from weightcache.cli import main
+    from weightcache.custodian.client import CustodianClient
+    from weightcache.custodian.messages import CustodianUnresponsive
+    from weightcache.handover import use_credential
+    from weightcache.preload.custody import Custody
+    from weightcache.sockets import custodian_socket_path
+
+    path = os.path.join(sockdir, NAME)
+    custody = Custody(sockdir)  # the supervisor's side, in this process: daemons we start are its own
+    custody.open()
+    use_credential(custodian_socket_path(sockdir), custody.token)
+    daemons = []
+    engines = None
+    try:
+        daemon, how = start_held_daemon(path, custody.socket, token=custody.token)
+        daemons.append(daemon)
+        assert how == "LOADED"
+        served = block_digests(path)
+        engines = Engines(path, wait=5.0, timeout=2.0)
+        first = custody.client.pid
+
+        # a blocked client: a claimer of a 4 MiB answer that never reads it
+        big = KEY.replace(rank=1, extra={"pad": "x" * (4 << 20)})
+        h, k, m = one_block(torch.arange(8, dtype=torch.int32), big)
+        fd = sealed_memfd()
+        custody.client.deposit(h, k, m, [fd], custody.token)
+        os.close(fd)
+        stalled = _stalled_claim(sockdir, h.name, custody.token)
+        t0 = time.monotonic()
+        assert main(["release", "--list", "--socket-dir", sockdir, "--timeout", "2"]) == 0
+        assert NAME in capsys.readouterr().out
+        assert custody.client.release([h.name]).names == [h.name]
+        wait_for(lambda: "stopped reading" in (Path(sockdir) / "custodian.log").read_text(), 10, "the drop")
+        assert time.monotonic() - t0 < 10
+        stalled.close()
+
+        # SIGSTOP: reported as stopped by release, status, the watch and a new preload; fine after SIGCONT
+        os.kill(first, signal.SIGSTOP)
+        try:
+            assert main(["release", "--list", "--socket-dir", sockdir, "--timeout", "1"]) == 1
+            assert "is stopped and does not answer" in capsys.readouterr().err
+            assert main(["status", "--socket-dir", sockdir, "--timeout", "1"]) == 1
+            assert "is stopped and does not answer" in capsys.readouterr().err
+            wait_for(lambda: custody.info()["state"] == "unresponsive", 10, "the watch to notice")
+            second = Custody(sockdir)
+            second.connect_timeout = 1.0
+            with pytest.raises(CustodianUnresponsive):
+                second.open()
+        finally:
+            os.kill(first, signal.SIGCONT)
+        wait_for(lambda: custody.info()["state"] == "up", 10, "the custodian to answer again")
+
+        # SIGKILL: the preload's side starts a new one; the running daemon deposits its cache again
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: custody.info().get("pid") not in (None, first) and custody.info()["up"], 15,
+                 "a new custodian")
+        assert custody.restarts == 1
+        fresh = CustodianClient.connect(sockdir)
+        wait_for(lambda: [x.name for x in fresh.holdings().holdings] == [NAME], 15, "the daemon to deposit again")
+
+        # a poisoned deposit from a process outside the preload, then the daemon dies
+        (held,) = fresh.holdings().holdings
+        facts = tmp_path / "facts.json"
+        facts.write_text(json.dumps({"name": NAME, "token": custody.token, "blocks": held.block_bytes,
+                                     "key": msgspec.msgpack.encode(KEY).hex(),
+                                     "manifest": _manifest_for(held.block_bytes).hex()}))
+        said = tmp_path / "said.json"
+        subprocess.run([sys.executable, "-c", OUTSIDER, sockdir, str(facts), str(said)], check=True, timeout=60)
+        wait_for(said.exists, 30, "the outsider")
+        assert "HELD" not in said.read_text() and "GOT IT" not in said.read_text()
+        daemon.kill()
+        daemon.wait()
+        wait_for(lambda: not fresh.holdings().holdings[0].served_by, 10, "the custodian to see the death")
+        daemon, how = start_held_daemon(path, custody.socket, token=custody.token)
+        daemons.append(daemon)
+        assert how == "ADOPTED" and block_digests(path) == served
+        time.sleep(0.5)
+        engines.stop()
+        assert not engines.wrong, engines.wrong
+        assert engines.ok > 0 and engines.kept
+        for att in engines.kept:
+            assert _still_right(att, engines.expected)
+            att.close()
+        fresh.close()
+    finally:
+        if engines is not None:
+            engines.stop()
+        for d in daemons:
+            d.kill()
+            d.wait()
+        custody.finish(keep=False)

@@ -184,9 +184,10 @@ def test_engine_vllm_and_demo_dispatch(monkeypatch):
     demo = types.ModuleType("weightcache.demo")
     demo.main = lambda argv: seen.setdefault("demo", argv) and 0
     import weightcache
+    import weightcache.preload
 
     monkeypatch.setitem(sys.modules, "weightcache.preload.vllm_frontend", vllm_preload)
-    monkeypatch.setattr(weightcache, "vllm_preload", vllm_preload, raising=False)
+    monkeypatch.setattr(weightcache.preload, "vllm_frontend", vllm_preload, raising=False)
     monkeypatch.setitem(sys.modules, "weightcache.demo", demo)
     monkeypatch.setattr(weightcache, "demo", demo, raising=False)
     assert main(["preload", "--engine", "vllm", "--model", "m", "-tp", "2"]) == 7

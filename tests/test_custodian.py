@@ -1,11 +1,13 @@
 """The custodian: a cache outlives its daemon; a replacement serves the same bytes without a load; releasing
-(or the holder's death) frees the memory once no engine maps it; bad input gets a one-line error."""
+(or the holder's death) frees the memory once no engine maps it; a cache whose preload is gone is freed after
+its lease; bad input gets a one-line error; a custodian that does not answer is reported, never taken for none."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -23,10 +25,12 @@ from weightcache.custodian.client import CustodianClient, launch
 from weightcache.custodian.messages import CustodianError, Holding
 from weightcache.daemon import Daemon
 from weightcache.errors import PermissionDenied, ProtocolError, WeightCacheError
+from weightcache.handover import use_credential
 from weightcache.key import CacheKey
-from weightcache.sockets import custodian_socket_path
+from weightcache.sockets import custodian_socket_path, socket_name
 
 KEY = CacheKey(model="sample", content_digest="d0")
+NAME = socket_name(KEY, "cpu")
 
 
 def wait_for(cond, timeout=20.0, what="condition"):
@@ -43,13 +47,17 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.fixture
-def custodian(sockdir):
-    """A detached custodian process for the socket directory, and our connection to it."""
-    launch(sockdir)
+def register(sockdir, hold_after_exit: float = 600.0) -> CustodianClient:
+    """Stand for a preload (this test process): a registered connection whose credential our daemons use."""
     client = CustodianClient.connect(sockdir)
+    client.token = secrets.token_hex(32)
+    client.register(client.token, hold_after_exit)
+    use_credential(custodian_socket_path(sockdir), client.token)
+    return client
+
+
+def stop(client: CustodianClient) -> None:
     pid = client.pid
-    yield client
     try:
         client.stop()
     except WeightCacheError:
@@ -59,11 +67,29 @@ def custodian(sockdir):
         wait_for(lambda: gone(pid), 10, "the custodian to exit")
     finally:
         if not gone(pid):
+            os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
 
 
-def _sock(sockdir, name="main-r0-cpu-00000000.sock"):
-    return os.path.join(sockdir, name)
+def registered_custodian(sockdir):
+    """A detached custodian process for the socket directory, and our registered connection to it."""
+    launch(sockdir)
+    client = register(sockdir)
+    yield client
+    stop(client)
+
+
+@pytest.fixture
+def custodian(sockdir):
+    yield from registered_custodian(sockdir)
+
+
+def custodian_log(sockdir) -> str:
+    return (custodian_socket_path(sockdir).parent / "custodian.log").read_text()
+
+
+def _sock(sockdir, key=KEY):
+    return os.path.join(sockdir, socket_name(key, "cpu"))
 
 
 def held_daemon(sock, key, custodian, tensors=None) -> Daemon:
@@ -74,10 +100,43 @@ def held_daemon(sock, key, custodian, tensors=None) -> Daemon:
     return d
 
 
+def sealed_memfd(payload: bytes = b"", size: int = 4096, seals: int | None = None) -> int:
+    import fcntl
+
+    fd = os.memfd_create("weightcache-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, payload)
+    os.ftruncate(fd, size)
+    if seals is None:
+        seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def one_block(payload: torch.Tensor, key=KEY, size: int = 4096):
+    """A holding, encoded key and manifest for `payload` as one block of `size` bytes."""
+    import msgspec
+
+    from weightcache import integrity
+    from weightcache.packing import plan_for_tensors
+
+    manifest, _ = plan_for_tensors({"w": payload})
+    manifest.blocks[0].nbytes = size
+    block = torch.zeros(size, dtype=torch.uint8)
+    raw = payload.reshape(-1).view(torch.uint8)[:size]
+    block[:raw.numel()] = raw
+    integrity.record(manifest, [block])  # what a daemon records: an adopter checks the bytes against it
+    h = Holding(name=socket_name(key, "cpu"), model=key.model, role=key.role, rank=key.rank, device="cpu",
+                block_bytes=[size])
+    return h, msgspec.msgpack.encode(key), msgspec.msgpack.encode(manifest)
+
+
+# ---------------------------------------------------------------------------------------------- handover
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_replacement_daemon_serves_the_same_bytes_without_a_load(sockdir, custodian, device, caplog):
-    sock = _sock(sockdir)
-    first, how = start_held_daemon(sock, str(custodian.path), device)
+    sock = _sock(sockdir) if device == "cpu" else os.path.join(sockdir, socket_name(KEY, "0" * 8))
+    first, how = start_held_daemon(sock, str(custodian.path), device, token=custodian.token)
     assert how == "LOADED"
     served = block_digests(sock)
     engine = wc.attach(sock)
@@ -91,8 +150,9 @@ def test_a_replacement_daemon_serves_the_same_bytes_without_a_load(sockdir, cust
     wait_for(lambda: not custodian.holdings().holdings[0].served_by, what="the custodian to see the death")
     (held,) = custodian.holdings().holdings
     assert held.name == os.path.basename(sock) and held.device == device
+    assert held.preload == os.getpid() and held.expires_in is None, "its preload runs: no countdown"
 
-    second, how = start_held_daemon(sock, str(custodian.path), device)
+    second, how = start_held_daemon(sock, str(custodian.path), device, token=custodian.token)
     try:
         assert how == "ADOPTED"
         st = wc.query_status(sock)
@@ -123,7 +183,8 @@ def test_release_frees_the_memory_once_no_engine_maps_it(sockdir, custodian, cap
     assert ours and ours <= memfd_inodes([custodian.pid])
 
     assert main(["release", "--socket-dir", str(sockdir), "--list"]) == 0
-    assert "main-r0-cpu-00000000.sock" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert NAME in out and f"pid {os.getpid()}" in out, "FREED IN names the preload that runs"
     assert main(["release", "--socket-dir", str(sockdir)]) == 0
     assert "released 1 cache(s)" in capsys.readouterr().out
     assert custodian.holdings().holdings == []
@@ -137,7 +198,7 @@ def test_release_frees_the_memory_once_no_engine_maps_it(sockdir, custodian, cap
 
 def test_the_holders_death_frees_the_memory_once_no_engine_maps_it(sockdir):
     launch(sockdir)
-    client = CustodianClient.connect(sockdir)
+    client = register(sockdir)
     pid = client.pid
     base = memfd_inodes()
     d = held_daemon(_sock(sockdir), KEY, client)
@@ -155,61 +216,37 @@ def test_the_holders_death_frees_the_memory_once_no_engine_maps_it(sockdir):
     assert not ours & memfd_inodes()
 
 
-def test_a_held_cache_under_another_key_is_never_served(sockdir, custodian, caplog):
+@pytest.mark.parametrize("change", [{"dtype": "bfloat16"}, {"content_digest": "d1"}], ids=["dtype", "digest"])
+def test_a_held_cache_under_another_key_is_never_served(sockdir, custodian, caplog, change):
+    """The key is the only identity: a checkpoint whose digest changed (rewritten in place) is never served
+    from the old cache, even under the same name (as a hash collision would give)."""
     held_daemon(_sock(sockdir), KEY, custodian).close()
-    other = KEY.replace(dtype="bfloat16")
-    d = Daemon(_sock(sockdir), other, custodian=custodian.path)  # the same name, as a hash collision would give
+    other = KEY.replace(**change)
+    d = Daemon(_sock(sockdir), other, custodian=custodian.path)
     d.start()
     with caplog.at_level(logging.WARNING, logger="weightcache.daemon"):
         assert not d.adopt()
-    assert "its key differs: dtype: held '', this daemon 'bfloat16'" in caplog.text
+    (field, value), = change.items()
+    assert f"its key differs: {field}: held {getattr(KEY, field)!r}, this daemon {value!r}" in caplog.text
     assert custodian.holdings().holdings == [], "the stale cache is released"
     d.load_tensors({"w": torch.ones(3)})
     with wc.attach(_sock(sockdir), expect=other) as att:
         assert att["w"].tolist() == [1.0, 1.0, 1.0]
+    assert custodian.holdings().holdings == [], "a key that is not its name's is never held"
     d.close()
 
 
 def test_prune_releases_only_unserved_caches_of_that_role_and_model(sockdir, custodian):
-    live = held_daemon(_sock(sockdir, "main-r0-cpu-aaaaaaaa.sock"), KEY, custodian)
-    held_daemon(_sock(sockdir, "main-r1-cpu-bbbbbbbb.sock"), KEY.replace(rank=1), custodian).close()
-    held_daemon(_sock(sockdir, "main-r0-cpu-cccccccc.sock"), KEY.replace(model="other"), custodian).close()
+    live = held_daemon(_sock(sockdir), KEY, custodian)
+    held_daemon(_sock(sockdir, KEY.replace(rank=1)), KEY.replace(rank=1), custodian).close()
+    held_daemon(_sock(sockdir, KEY.replace(model="other")), KEY.replace(model="other"), custodian).close()
     wait_for(lambda: sum(h.served_by == 0 for h in custodian.holdings().holdings) == 2,
              what="the custodian to see the closed daemons go")
-    gone_ = custodian.prune("main", "sample", keep=["main-r9-cpu-99999999.sock"])
-    assert gone_.names == ["main-r1-cpu-bbbbbbbb.sock"] and gone_.nbytes > 0
+    gone_ = custodian.prune("main", "sample", keep=["main-r9-cpu-99999999.sock"], token=custodian.token)
+    assert gone_.names == [socket_name(KEY.replace(rank=1), "cpu")] and gone_.nbytes > 0
     names = sorted(h.name for h in custodian.holdings().holdings)
-    assert names == ["main-r0-cpu-aaaaaaaa.sock", "main-r0-cpu-cccccccc.sock"]
+    assert names == sorted([NAME, socket_name(KEY.replace(model="other"), "cpu")])
     live.close()
-
-
-def test_engine_logs_one_line_when_its_daemon_is_lost(sockdir, caplog):
-    sock = _sock(sockdir)
-    with caplog.at_level(logging.WARNING, logger="weightcache.client"):
-        d = wc.publish({"w": torch.arange(4.0)}, sock, KEY)
-        closed_by_us = wc.attach(sock)
-        kept = wc.attach(sock)
-        closed_by_us.close()
-        d.close()
-        wait_for(lambda: kept.daemon_lost, what="the engine to notice")
-        time.sleep(0.3)  # a second line would come now
-        assert kept["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
-        d2 = wc.publish({"w": torch.arange(4.0)}, sock, KEY)
-        with wc.attach(sock) as fresh:  # a later attach finds the replacement
-            assert fresh["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and not fresh.daemon_lost
-        d2.close()
-    lines = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
-    assert len(lines) == 1, lines
-    kept.close()
-
-
-def test_an_engine_that_drops_its_attachment_detaches(sockdir):
-    with wc.publish({"w": torch.ones(2)}, _sock(sockdir), KEY) as d:
-        att = wc.attach(_sock(sockdir))
-        assert d.status().clients_attached == 1
-        del att
-        gc.collect()
-        wait_for(lambda: d.status().clients_attached == 0, what="the detach")
 
 
 def test_custodian_exits_when_nothing_is_held_and_no_one_is_connected(sockdir):
@@ -226,7 +263,7 @@ def test_custodian_exits_when_nothing_is_held_and_no_one_is_connected(sockdir):
 
 def test_custodian_exits_and_releases_when_its_socket_is_removed(sockdir):
     launch(sockdir)
-    client = CustodianClient.connect(sockdir)
+    client = register(sockdir)
     base = memfd_inodes()
     held_daemon(_sock(sockdir), KEY, client).close()
     ours = memfd_inodes() - base
@@ -236,6 +273,19 @@ def test_custodian_exits_and_releases_when_its_socket_is_removed(sockdir):
     client.close()
     assert not ours & memfd_inodes()
 
+
+def test_the_custodian_imports_no_torch_and_stays_small(sockdir, custodian):
+    d = held_daemon(_sock(sockdir), KEY, custodian)
+    with open(f"/proc/{custodian.pid}/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{custodian.pid}/maps") as f:
+        maps = f.read()
+    d.close()
+    assert "libtorch" not in maps and "libc10" not in maps
+    assert rss_kb <= 40 << 10, f"the custodian takes {rss_kb / 1024:.1f} MiB resident"
+
+
+# --------------------------------------------------------------------------------------------- bad input
 
 def _raw(sockdir) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -250,11 +300,14 @@ def _recv(s):
     return wire.recv_msg(s, deadline=time.monotonic() + 5, decoder=_decoder)
 
 
+def _fields(s) -> dict:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
 def test_bad_input_gets_a_one_line_error_and_loses_nothing(sockdir, custodian):
     from weightcache.custodian.messages import Hello
 
     held_daemon(_sock(sockdir), KEY, custodian).close()
-
     with pytest.raises(ProtocolError, match="custodian protocol 99 is not supported"):
         s = _raw(sockdir)
         wire.send_msg(s, Hello(protocol=99))
@@ -267,30 +320,77 @@ def test_bad_input_gets_a_one_line_error_and_loses_nothing(sockdir, custodian):
     wire.send_msg(s, wire.Ping())
     assert _recv(s).code == "protocol"
 
-    client = CustodianClient.connect(sockdir)
-    fd = os.memfd_create("weightcache-test")
-    os.ftruncate(fd, 4096)
-    h = Holding(name="main-r0-cpu-11111111.sock", model="m", role="main", rank=0, device="cpu", block_bytes=[4096])
+    key = KEY.replace(rank=3)
+    h, k, m = one_block(torch.arange(8, dtype=torch.int32), key)
+    fd = sealed_memfd()
     cases = [
-        (h.__class__(**{**_fields(h), "block_bytes": [4096, 4096]}), "1 block fds for 2 block sizes"),
-        (h.__class__(**{**_fields(h), "block_bytes": [8192]}), "block 0 is 4096 bytes, its size says 8192"),
-        (h.__class__(**{**_fields(h), "name": "../escape"}), "bad cache name '../escape'"),
-        (h.__class__(**{**_fields(h), "device": "tpu"}), "unknown device 'tpu'"),
+        (Holding(**{**_fields(h), "block_bytes": [4096, 4096]}), k, m, "its manifest's blocks [4096] are not"),
+        (Holding(**{**_fields(h), "name": "../escape"}), k, m, "'../escape' is not a daemon's socket name"),
+        (Holding(**{**_fields(h), "device": "tpu"}), k, m, "device 'tpu' does not fit the name"),
+        (Holding(**{**_fields(h), "name": NAME}), k, m, "its key hashes to"),
+        (h, b"k", m, "its key does not decode"),
+        (h, k, b"m", "its manifest does not decode"),
     ]
-    for bad, message in cases:
-        with pytest.raises(CustodianError, match=message.replace("(", r"\(")) as err:
-            client.deposit(bad, b"k", b"m", [fd])
+    client = CustodianClient.connect(sockdir)
+    for bad, key_bytes, manifest_bytes, message in cases:
+        with pytest.raises(CustodianError, match=message.replace("[", r"\[").replace("(", r"\(")) as err:
+            client.deposit(bad, key_bytes, manifest_bytes, [fd], custodian.token)
         assert "\n" not in str(err.value)
-    assert [x.name for x in client.holdings().holdings] == ["main-r0-cpu-00000000.sock"], "nothing lost"
+    assert [x.name for x in client.holdings().holdings] == [NAME], "nothing lost"
     with pytest.raises(CustodianError, match="a cache needs 1 to 4096 blocks, not 0"):
-        client.deposit(h, b"k", b"m", [])
+        client.deposit(h, k, m, [], custodian.token)
     client.close()
     os.close(fd)
-    assert [x.name for x in custodian.holdings().holdings] == ["main-r0-cpu-00000000.sock"]
+    assert [x.name for x in custodian.holdings().holdings] == [NAME]
 
 
-def _fields(s) -> dict:
-    return {f: getattr(s, f) for f in s.__struct_fields__}
+def test_bad_frames_get_one_log_line_each_and_no_traceback(sockdir, custodian):
+    """Each bad frame, cut-off deposit or unexpected message costs the custodian one log line."""
+    from weightcache.custodian.messages import Deposit, Hello, Welcome
+
+    h, k, m = one_block(torch.arange(8, dtype=torch.int32))
+    hello = wire.encode(Hello(protocol=2))
+    cases = [
+        struct.pack(">I", 3) + b"\xc1\xc1\xc1",  # garbage instead of a hello
+        hello + struct.pack(">I", 4) + b"\x92\x01\x02\x03",  # garbage after it
+        hello + wire.encode(Deposit(holding=h, key=k, manifest=m, nfds=2)),  # its fds never follow
+        hello + wire.encode(Deposit(holding=h, key=k, manifest=m, nfds=0)),
+        hello + wire.encode(Welcome(protocol=2, pid=1, started_at=0.0)),  # not a request
+        hello + struct.pack(">I", 1 << 30),  # a frame past the cap
+        hello + struct.pack(">I", 100) + b"\x00" * 10,  # cut off
+    ]
+    before = custodian_log(sockdir).count("\n")
+    for frame in cases:
+        s = _raw(sockdir)
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)
+        with pytest.raises((EOFError, OSError, ProtocolError)):
+            while True:
+                _recv(s)  # its answers, then the close
+        s.close()
+    assert custodian.holdings().holdings == []
+    wait_for(lambda: custodian_log(sockdir).count("\n") - before >= len(cases), 5, "the log lines")
+    time.sleep(0.3)
+    new = custodian_log(sockdir).splitlines()[before:]
+    assert "Traceback" not in "\n".join(new)
+    assert len(new) == len(cases), new
+    assert all(" WARNING " in line for line in new), new
+
+
+def test_release_refuses_a_directory_others_can_write_and_a_plain_file(tmp_path, capsys):
+    from weightcache.cli import main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    for path, why in ((shared, "writable by others"), (plain, "is not a directory")):
+        assert main(["release", "--socket-dir", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and "\n" not in err, err
+    assert main(["release", "--socket-dir", str(tmp_path / "missing")]) == 0
+    assert "nothing is held" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch uid")
@@ -347,12 +447,16 @@ def test_release_of_an_unknown_name_is_refused(sockdir, custodian, capsys):
     assert f"custodian pid {custodian.pid} holds 1 cache(s)" in capsys.readouterr().out
 
 
+# ----------------------------------------------------------------------------------------------- GPU
+
 @pytest.mark.gpu
 def test_cuda_memory_outlives_the_daemon_and_returns_after_release(sockdir, custodian):
     torch.cuda.init()
     free0 = torch.cuda.mem_get_info(0)[0]
-    sock = _sock(sockdir)
-    first, how = start_held_daemon(sock, str(custodian.path), "cuda", big_mb=1024)
+    from weightcache.sockets import device_tag
+
+    sock = os.path.join(sockdir, socket_name(KEY, device_tag("cuda:0")))
+    first, how = start_held_daemon(sock, str(custodian.path), "cuda", big_mb=1024, token=custodian.token)
     assert how == "LOADED"
     served = block_digests(sock)
     first.kill()
@@ -360,7 +464,7 @@ def test_cuda_memory_outlives_the_daemon_and_returns_after_release(sockdir, cust
     time.sleep(1.0)
     held = free0 - torch.cuda.mem_get_info(0)[0]
     assert held >= 1 << 30, f"the custodian's fds keep the {held / 2**30:.2f} GiB allocated"
-    second, how = start_held_daemon(sock, str(custodian.path), "cuda")
+    second, how = start_held_daemon(sock, str(custodian.path), "cuda", token=custodian.token)
     try:
         assert how == "ADOPTED"
         assert block_digests(sock) == served
@@ -372,30 +476,49 @@ def test_cuda_memory_outlives_the_daemon_and_returns_after_release(sockdir, cust
 
 
 def test_a_sealed_memfd_is_handed_over_and_served(sockdir, custodian):
-    """Write-sealed blocks (no one may write them, not even through /proc) still move between daemons."""
-    import fcntl
-
-    import msgspec
-
-    from weightcache.packing import plan_for_tensors
-
+    """Write-sealed blocks (no one may write them, not even through /proc) move between daemons."""
     payload = torch.arange(1024, dtype=torch.int32)
-    manifest, _ = plan_for_tensors({"w": payload})
-    fd = os.memfd_create("weightcache-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(fd, payload.numpy().tobytes())
-    os.ftruncate(fd, 4096)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    manifest.blocks[0].nbytes = 4096
-    name = "main-r0-cpu-00000000.sock"
-    custodian.deposit(Holding(name=name, model=KEY.model, role="main", rank=0, device="cpu", block_bytes=[4096]),
-                      msgspec.msgpack.encode(KEY), msgspec.msgpack.encode(manifest), [fd])
+    h, k, m = one_block(payload)
+    fd = sealed_memfd(payload.numpy().tobytes())
+    custodian.deposit(h, k, m, [fd], custodian.token)
     os.close(fd)
-    d = Daemon(_sock(sockdir, name), KEY, custodian=custodian.path)
+    d = Daemon(_sock(sockdir), KEY, custodian=custodian.path)
     d.start()
     assert d.adopt()
-    with wc.attach(_sock(sockdir, name), expect=KEY) as att:
+    with wc.attach(_sock(sockdir), expect=KEY) as att:
         assert torch.equal(att["w"], payload)
     d.close()
+
+
+# ------------------------------------------------------------------------------- engines and lost daemons
+
+def test_engine_logs_one_line_when_its_daemon_is_lost(sockdir, caplog):
+    sock = _sock(sockdir)
+    with caplog.at_level(logging.WARNING, logger="weightcache.client"):
+        d = wc.publish({"w": torch.arange(4.0)}, sock, KEY)
+        closed_by_us = wc.attach(sock)
+        kept = wc.attach(sock)
+        closed_by_us.close()
+        d.close()
+        wait_for(lambda: kept.daemon_lost, what="the engine to notice")
+        time.sleep(0.3)  # a second line would come now
+        assert kept["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        d2 = wc.publish({"w": torch.arange(4.0)}, sock, KEY)
+        with wc.attach(sock) as fresh:  # a later attach finds the replacement
+            assert fresh["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and not fresh.daemon_lost
+        d2.close()
+    lines = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(lines) == 1, lines
+    kept.close()
+
+
+def test_an_engine_that_drops_its_attachment_detaches(sockdir):
+    with wc.publish({"w": torch.ones(2)}, _sock(sockdir), KEY) as d:
+        att = wc.attach(_sock(sockdir))
+        assert d.status().clients_attached == 1
+        del att
+        gc.collect()
+        wait_for(lambda: d.status().clients_attached == 0, what="the detach")
 
 
 def test_a_forked_child_leaves_its_parents_watch_alone(sockdir, caplog):

@@ -66,7 +66,7 @@ def serve(ckpt, sockdir, *, dtype=None, device="cpu", edit=None, key=None, **sou
     d = Daemon(socket_path(sockdir, key, device_tag(device)), key, device=device)
     d.start()
     if edit is None:
-        src.load_into(d)
+        src.produce(d)
     else:
         model, seen = build_model(ckpt, dtype=src.dtype, device=torch.device(device))
         tensors, roles = capture(model, seen.before, seen.after, seen.conversions_used)
@@ -488,7 +488,7 @@ def test_bad_arguments(ckpts, sockdir, tmp_path):
 
 def test_module_attribute_access():
     code = ("import sys, weightcache; assert 'transformers' not in sys.modules; "
-            "from weightcache.engines import transformers as e, torch as t; "
+            "from weightcache.integrations.transformers import engine as e; from weightcache.integrations import torch as t; "
             "assert weightcache.transformers.from_pretrained is e.from_pretrained; "
             "assert weightcache.load_into is t.load_into; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

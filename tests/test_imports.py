@@ -13,7 +13,7 @@ import pytest
 import weightcache
 
 PKG = Path(weightcache.__file__).parent
-CORE = {"errors", "key", "digests", "dtypes", "manifest", "packing", "wire", "arena", "daemon", "server",
+CORE = {"errors", "key", "digests", "dtypes", "manifest", "packing", "wire", "arena", "daemon", "server", "integrity",
         "handover", "client", "custodian", "sockets", "faults", "progress", "publish"}
 ENGINE_HALVES = ("weightcache.integrations.torch", "weightcache.integrations.transformers.engine",
                  "weightcache.integrations.vllm.loader", "weightcache.integrations.vllm.plugin")

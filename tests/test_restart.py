@@ -221,9 +221,10 @@ def test_a_rank_whose_checkpoint_changed_is_not_replaced(tmp_path, monkeypatch, 
     """Never serve a stale key: after READY, a replacement must build the key its rank agreed on."""
     import shutil
 
+    from weightcache.preload.child import EXIT_KEY_CHANGED
     from weightcache.preload.frontend import checkpoint_source
     from weightcache.preload.layout import Layout
-    from weightcache.preload.supervisor import EXIT_KEY_CHANGED, Group, Supervisor
+    from weightcache.preload.supervisor import Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tmp_path / "m"

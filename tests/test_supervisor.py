@@ -325,7 +325,8 @@ def oversized_on(placement, *, oom_rank: int, **kw):
 
 
 def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplog):
-    from weightcache.preload.supervisor import EXIT_OOM, Group, Supervisor
+    from weightcache.preload.child import EXIT_OOM
+    from weightcache.preload.supervisor import Group, Supervisor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sdir = tmp_path / "s"
@@ -381,7 +382,7 @@ def test_node_with_another_checkpoint_fails_both(ckpts, env, tmp_path, preloads)
         err = n.stderr
         assert code != 0, err
         assert "node 1's checkpoint stamp differs from node 0's (content_digest)" in err, err
-        assert "content_digest: node 0 has 'sha256:" in err
+        assert "content_digest: node 0 has 'blake3:" in err
         assert not n.out
     assert sockets(tmp_path / "s0") == [] and sockets(tmp_path / "s1") == []
 

@@ -34,7 +34,7 @@ from vllm_harness import (  # noqa: E402
     weight_files_opened,
 )
 from weightcache.client import query_status
-from weightcache.integrations.vllm.loader import parity
+from weightcache.integrations.model_state import parity
 from weightcache.testing.checkpoints import make_llama_checkpoint, make_moe_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

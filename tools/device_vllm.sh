@@ -46,7 +46,7 @@ case "$what" in
     echo "in all: $((SECONDS - t0)) s" | tee -a "$OUT/vllm-gpu-tests.log"
     ;;
   gpu-tests)
-    python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests --ignore=tests/test_vllm_gpu.py "$@" 2>&1 \
+    python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests --ignore=tests/test_vllm_gpu.py --ignore=tests/test_vllm_quant_gpu.py "$@" 2>&1 \
       | tee "$OUT/gpu-tests.log"
     ;;
   custodian)

@@ -103,6 +103,18 @@ def query_status(path: str | Path, timeout: float = 2.0) -> wire.DaemonStatus:
     return reply
 
 
+def request_verify(path: str | Path, timeout: float = 300.0) -> wire.VerifyReport:
+    """Ask a daemon to re-hash its resident bytes (on its own device) against the digests it recorded."""
+    sock = _connect(path, min(timeout, 10.0))
+    try:
+        reply = _request(sock, wire.VerifyRequest(), str(path), timeout)
+    finally:
+        sock.close()
+    if not isinstance(reply, wire.VerifyReport):
+        raise ProtocolError(f"{path}: expected a verify reply, got {type(reply).__name__}")
+    return reply
+
+
 def wait_ready(path: str | Path, timeout: float, on_progress=None, poll: float = 0.2) -> wire.DaemonStatus:
     """Poll a daemon until it is ready; raises DaemonNotReady if it failed or the time runs out."""
     deadline = time.monotonic() + timeout
@@ -278,7 +290,20 @@ def _copy_blocks(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _take(sock, reply: wire.Attached, expect, path: str, mode: str, readonly: bool):
+def _verify_blocks(path: str, manifest: Manifest, blocks: list[torch.Tensor]) -> None:
+    """Re-hash the attached blocks here, on their device, against the digests the daemon recorded at load."""
+    from . import integrity
+
+    try:
+        bad = integrity.check(manifest, blocks)
+    except integrity.IntegrityError as e:
+        raise integrity.IntegrityError(f"{path}: cannot verify the attached weights: {e}") from None
+    if bad:
+        raise integrity.IntegrityError(f"{path}: the attached weights are not the bytes the daemon loaded: "
+                                       f"{integrity.describe(bad, manifest.chunk_bytes)}", bad)
+
+
+def _take(sock, reply: wire.Attached, expect, path: str, mode: str, readonly: bool, verify: bool = False):
     """After an Attached reply: receive the block fds, check the key and manifest, import, build views."""
     fds = wire.recv_fds(sock, reply.nfds)
     t_manifest = time.perf_counter()
@@ -301,6 +326,8 @@ def _take(sock, reply: wire.Attached, expect, path: str, mode: str, readonly: bo
     blocks = import_blocks(fds, [b.nbytes for b in manifest.blocks], device, readonly or mode == "copy")
     if mode == "copy":
         blocks = _copy_blocks(blocks)
+    if verify:
+        _verify_blocks(path, manifest, blocks)
     t_views = time.perf_counter()
     tensors = build_views(manifest, blocks)
     if device.type == "cpu" and mode == "map" and readonly:
@@ -347,11 +374,14 @@ def attach(
     readonly: bool = True,
     wait: float = 0.0,
     timeout: float = 10.0,
+    verify: bool = False,
 ) -> Attachment:
     """Attach a daemon's weights. mode="map" maps them zero-copy and read-only; readonly=False makes them
     writable (on CPU a private copy-on-write mapping: the engine's writes stay its own; on CUDA a shared
     writable mapping); mode="copy" gives private writable tensors. While the daemon is loading, or is busy
-    (DaemonBusy: too many connections), waits and retries up to `wait` seconds."""
+    (DaemonBusy: too many connections), waits and retries up to `wait` seconds. ``verify=True`` re-hashes the
+    attached bytes in this process (on their device) against the digests the daemon recorded at load and
+    raises IntegrityError naming the tensors that differ (``timings["import"]`` then includes it)."""
     if mode not in ("map", "copy"):
         raise ValueError(f"mode must be 'map' or 'copy', not {mode!r}")
     path = str(socket)
@@ -370,7 +400,7 @@ def attach(
                 with _collector_paused():
                     reply = _request(sock, hello, path, timeout)
                     if isinstance(reply, wire.Attached):
-                        manifest, device, tensors, marks = _take(sock, reply, expect, path, mode, readonly)
+                        manifest, device, tensors, marks = _take(sock, reply, expect, path, mode, readonly, verify)
                         break
             except DaemonBusy as e:  # refused at the door: a new connection may get in
                 if sock is not None:

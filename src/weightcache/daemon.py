@@ -1,4 +1,6 @@
-"""One rank's daemon: holds the arena, its manifest and its key, and serves attach/status over a Unix socket."""
+"""One rank's daemon: holds the arena, its manifest and its key, and serves attach/status over a Unix socket.
+
+torch is imported only to load: a daemon that takes its cache over from the custodian serves it without."""
 
 from __future__ import annotations
 
@@ -10,16 +12,14 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
-import torch
-
-from . import wire
-from .arena import allocate_block
-from .errors import ProtocolError
+from . import integrity, wire
+from .errors import ProtocolError, WeightCacheError
 from .handover import Handover
+from .integrity.guard import ResidentGuard
 from .key import CacheKey, diff
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, plan_for_metas
-from .packing import build_views, plan_for_tensors, release_storage, storage_bytes
 from .server import OUT_OF_DESCRIPTORS, UnixServer
 
 log = logging.getLogger("weightcache.daemon")
@@ -29,13 +29,43 @@ MAX_PER_PEER = 64  # connections one process may hold (attached or not)
 STATUS_RESERVE = 8  # connections past max_clients that may only ask for status
 
 
+class DeviceSpec(NamedTuple):
+    """Where a daemon's memory lives, without torch: "cpu" or ("cuda", index)."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @classmethod
+    def of(cls, device) -> DeviceSpec:
+        if hasattr(device, "type"):  # a torch.device
+            spec = cls(device.type, device.index)
+        else:
+            kind, _, index = str(device).partition(":")
+            spec = cls(kind, int(index) if index else None)
+        if spec.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported daemon device {device!r} (cpu or cuda[:N])")
+        if spec.type == "cuda" and spec.index is None:
+            import torch
+
+            spec = cls("cuda", torch.cuda.current_device())
+        return spec if spec.type == "cuda" else cls("cpu")
+
+    def torch(self):
+        import torch
+
+        return torch.device(str(self))
+
+
 class Daemon:
     def __init__(
         self,
         socket_path: str | Path,
         key: CacheKey,
         *,
-        device: str | torch.device = "cpu",
+        device="cpu",
         allowed_uids: Iterable[int] | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         hello_timeout: float = 5.0,
@@ -45,12 +75,13 @@ class Daemon:
         status_reserve: int = STATUS_RESERVE,
         info: dict[str, str] | None = None,
         custodian: str | Path | None = None,
+        gpu_uuid: str | None = None,
+        digest_chunk_bytes: int = integrity.DEFAULT_CHUNK_BYTES,
+        scrub_interval: float = 0.0,
     ):
         self.socket_path = Path(socket_path)
         self.key = key
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = DeviceSpec.of(device)
         self.block_bytes = block_bytes
         self.hello_timeout = hello_timeout
         self.idle_timeout = idle_timeout
@@ -82,12 +113,12 @@ class Daemon:
         self._started_mono = time.monotonic()
         self._ready_seconds = 0.0
         self._peak_device_bytes = self._baseline_device_bytes = 0
+        self._watching_peak = False
+        self.phases: dict[str, float] = {}  # where the load's time went (a producer adds its own)
+        # digests recorded at load (digest_chunk_bytes 0: none), re-hashed on request and every scrub_interval s
+        self.guard = ResidentGuard(self.device, digest_chunk_bytes, scrub_interval)
         if self.device.type == "cuda":
-            from .arena.cuda import gpu_uuid
-
-            self._gpu_uuid = gpu_uuid(self.device.index)
-            free, total = torch.cuda.mem_get_info(self.device)
-            self._baseline_device_bytes = total - free
+            self._gpu_uuid = gpu_uuid or self._torch_gpu_uuid()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -97,8 +128,6 @@ class Daemon:
         self._started_mono = time.monotonic()
         self.state = "loading"
         self.server.start()
-        if self.device.type == "cuda":
-            threading.Thread(target=self._watch_peak, name="weightcache-peak", daemon=True).start()
         log.info("daemon for %s rank %d listening on %s", self.key.model, self.key.rank, self.socket_path)
 
     def _progress(self, nbytes: int) -> None:
@@ -113,11 +142,29 @@ class Daemon:
             return self._done / max(time.monotonic() - self._load_t0, 1e-6)
         return 0.0
 
-    def _allocate(self, manifest: Manifest) -> list[torch.Tensor]:
+    def _torch_gpu_uuid(self) -> str:
+        from .arena.cuda import gpu_uuid
+
+        return gpu_uuid(self.device.index)
+
+    def _watch_memory(self) -> None:
+        """Sample the device memory in use above this point while the daemon loads (CUDA, once)."""
+        if self.device.type != "cuda" or self._watching_peak:
+            return
+        import torch
+
+        self._watching_peak = True
+        free, total = torch.cuda.mem_get_info(self.device.index)
+        self._baseline_device_bytes = total - free
+        threading.Thread(target=self._watch_peak, name="weightcache-peak", daemon=True).start()
+
+    def _allocate(self, manifest: Manifest) -> list:
+        from .arena import allocate_block
+
         blocks = []
         try:
             for spec in manifest.blocks:
-                blocks.append(allocate_block(spec.nbytes, self.device))
+                blocks.append(allocate_block(spec.nbytes, self.device.torch()))
         except BaseException:
             for b in blocks:
                 b.close()
@@ -133,9 +180,12 @@ class Daemon:
         manifest.gpu_uuid = self._gpu_uuid
 
     def _finish(self, manifest: Manifest, t0: float) -> None:
-        self._sample_peak()  # the sampler thread may not have run since the arena was allocated
+        if self._watching_peak:
+            self._sample_peak()  # the sampler thread may not have run since the arena was allocated
         for b in self._blocks:
             b.seal()
+        if not self.adopted:
+            self.guard.record(manifest, self._blocks)
         self.manifest = manifest
         self._attached_frame = wire.encode(wire.Attached(key=self.key, manifest=manifest, nfds=len(self._blocks)))
         self._load_seconds = time.monotonic() - t0
@@ -143,12 +193,40 @@ class Daemon:
             self._deposit(manifest)
         self.state = "ready"
         self._ready_seconds = time.monotonic() - self._started_mono
+        self.guard.start_scrub(self.verify_resident, self._stop)
         log.info(
             "ready: %d tensors, %.2f GiB in %d block(s) on %s, %s in %.3f s%s",
             len(manifest.tensors), manifest.nbytes / 2**30, len(manifest.blocks), self.device,
             "taken over from the custodian (no load)" if self.adopted else "loaded", self._load_seconds,
             "" if self.adopted else f" ({self._load_rate() / 1e9:.2f} GB/s)",
         )
+
+    # ---- verified resident weights (integrity/guard.py) -------------------------------------------------
+
+    def verify_resident(self) -> wire.VerifyReport:
+        """Re-hash the resident bytes on the daemon's device against the digests recorded at load. A mismatch
+        is logged and shown in status, and every later attach is refused, naming the tensors."""
+        return self.guard.verify(self.manifest, self._blocks, self.state)
+
+    def _adopted_bytes_match(self, manifest: Manifest) -> bool:
+        """A cache taken from the custodian is served only if its bytes match its recorded digests; one that
+        does not (a poisoned or damaged deposit) is released so that this daemon loads afresh."""
+        name = self.handover.name if self.handover else self.socket_path.name
+        why = self.guard.check_adopted(manifest, self._blocks, name)
+        if not why:
+            return True
+        log.warning("the custodian's cache %s is not the bytes that were loaded: %s; releasing it, loading afresh",
+                    name, why)
+        for b in self._blocks:
+            b.close()
+        self._blocks = []
+        client = self.handover.client() if self.handover else None
+        if client is not None:
+            try:
+                client.release([name])
+            except WeightCacheError as e:
+                log.warning("could not release %s at the custodian: %s", name, e)
+        return False
 
     # ---- the custodian: the cache outlives this daemon --------------------------------------------------
 
@@ -167,13 +245,18 @@ class Daemon:
         if got is None:
             return False
         manifest, self._blocks = got
+        if not self._adopted_bytes_match(manifest):
+            return False
         self.adopted = self.held = True
         self._finish(manifest, t0)
         return True
 
     def load(self, source) -> None:
         """Plan from a FillSource's description, allocate the arena, let the source fill it in place."""
+        from .packing import build_views
+
         t0 = self._load_t0 = time.monotonic()
+        self._watch_memory()
         try:
             source.prepare()  # its staging buffers made while the arena is allocated
             manifest = plan_for_metas(source.describe(), self.block_bytes)
@@ -187,7 +270,7 @@ class Daemon:
             self.fail(f"{type(e).__name__}: {e}")
             raise
 
-    def load_tensors(self, tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str] | None = None, *,
+    def load_tensors(self, tensors: Mapping, roles: Mapping[str, str] | None = None, *,
                      consume: bool = False, began: float | None = None) -> None:
         """Pack existing tensors (storage sharing, strides and offsets kept).
 
@@ -196,10 +279,15 @@ class Daemon:
         (resized to 0 bytes, whoever else still refers to them), so the peak stays near 1x the weights plus
         one block (``capture_block_bytes``). ``began`` (``time.monotonic()``): when the engine's loader started
         building them, so the load time and rate reported cover the whole load, not only the packing."""
+        from .packing import plan_for_tensors, storage_bytes
+
         t0 = self._load_t0 = time.monotonic() if began is None else began
+        self._watch_memory()
+        packing = time.monotonic()
         try:
             manifest, spans = plan_for_tensors(tensors, roles, self.block_bytes, consume=consume)
-            self._total = sum(end - start for _, start, end in spans)
+            with self._lock:
+                self._done, self._total = 0, sum(end - start for _, start, end in spans)
             if not consume:
                 blocks = self._allocate(manifest)
                 for spec, (t, start, end) in zip(manifest.storages, spans, strict=True):
@@ -208,20 +296,33 @@ class Daemon:
                 del blocks  # the writable views go before the blocks are sealed
             else:
                 self._capture(manifest, spans)
+            self.phases["pack"] = time.monotonic() - packing
             self._finish(manifest, t0)
         except BaseException as e:
             self.fail(f"{type(e).__name__}: {e}")
             raise
 
+    def begin_load(self, total: int) -> None:
+        """A producer starts building the weights: ``total`` bytes it will read (progress until it packs)."""
+        with self._lock:
+            self._load_t0 = time.monotonic()
+            self._done, self._total = 0, total
+        self._watch_memory()
+
     def _capture(self, manifest: Manifest, spans) -> None:
         """Fill block after block, freeing each source storage once its bytes are in the arena."""
+        import torch
+
+        from .arena import allocate_block
+        from .packing import release_storage, storage_bytes
+
         by_block: list[list[int]] = [[] for _ in manifest.blocks]
         for i, spec in enumerate(manifest.storages):
             by_block[spec.block].append(i)
         kept = 0
         try:
             for bi, members in enumerate(by_block):
-                block = allocate_block(manifest.blocks[bi].nbytes, self.device)
+                block = allocate_block(manifest.blocks[bi].nbytes, self.device.torch())
                 self._blocks.append(block)
                 self._sample_peak()
                 for i in members:
@@ -229,7 +330,7 @@ class Daemon:
                     block.tensor[spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
                     self._progress(end - start)
                 if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                    torch.cuda.synchronize(self.device.index)
                 for i in members:
                     kept += release_storage(spans[i][0])
                 if self.device.type == "cuda":
@@ -245,7 +346,9 @@ class Daemon:
 
     def _sample_peak(self) -> None:
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.device.index)
             self._peak_device_bytes = max(self._peak_device_bytes, total - free - self._baseline_device_bytes)
 
     def _watch_peak(self) -> None:
@@ -313,7 +416,8 @@ class Daemon:
                 peak_device_bytes=self._peak_device_bytes, adopted=self.adopted, held=self.held,
                 ready_seconds=self._ready_seconds, load_bytes_per_second=self._load_rate(),
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
-                attach_seconds_buckets=cumulative, info=self.info, **self._counters,
+                attach_seconds_buckets=cumulative, info=self.info, phases=dict(self.phases), **self._counters,
+                integrity=m.integrity if m else "", **self.guard.status(),
             )
 
     # ---- serving ----------------------------------------------------------------------------------------
@@ -358,6 +462,8 @@ class Daemon:
                     wire.send_msg(conn, wire.Pong())
                 elif isinstance(msg, wire.StatusRequest):
                     wire.send_msg(conn, self.status())
+                elif isinstance(msg, wire.VerifyRequest):
+                    wire.send_msg(conn, self.verify_resident())
                 elif isinstance(msg, wire.Hello) and not attached:
                     if status_only:
                         self._refuse(conn, "busy", f"daemon serves {self.server.max_clients} connections already; "
@@ -399,6 +505,10 @@ class Daemon:
                 return None
         if self.state == "failed":
             self._refuse(conn, "failed", f"daemon failed to load: {self.message}")
+            return None
+        refusal = self.guard.refusal()
+        if refusal:
+            self._refuse(conn, "failed", refusal)
             return None
         if self.state != "ready":
             wire.send_msg(conn, wire.NotReady(state=self.state, done=self._done, total=self._total, message=self.message))

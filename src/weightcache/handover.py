@@ -1,24 +1,50 @@
 """A daemon's side of the custodian: deposit a freshly loaded cache (its block fds, key and manifest) so that
 it outlives the daemon, and adopt the one held for this socket name instead of loading (a replacement
-daemon, a restarted preload). What is adopted is checked: the key field by field, the manifest against its
-blocks, the device."""
+daemon, a restarted preload). What is adopted is checked before it is served: the key field by field (the only
+identity: a cache whose key differs in any field, the checkpoint's digest included, is never served), the
+manifest against its blocks and the device, and every block (arena/adopted.py: seals and size of a memfd, a
+CUDA handle's device and size). A refused cache is released and the daemon loads afresh.
+
+Deposits and claims carry the credential of the daemon's preload (``use_credential``: the supervisor hands it
+to its daemons through their spawn arguments, never the environment). When the custodian dies, the daemon
+deposits its cache again with the one its supervisor starts in its place."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import msgspec
 
-from .arena.adopted import AdoptedBlock
+from .arena.adopted import AdoptedBlock, check_blocks, cuda_index_of
 from .custodian.client import CustodianClient
 from .custodian.messages import Holding
-from .errors import WeightCacheError
+from .errors import DaemonUnavailable, WeightCacheError
 from .key import CacheKey, diff
 from .manifest import Manifest, validate
+from .sockets import custodian_socket_path
 
 log = logging.getLogger("weightcache.daemon")
+
+WATCH_PERIOD_S = 1.0  # how often a daemon looks whether its custodian is still there
+REDEPOSIT_CONNECT_S = 2.0
+
+_credentials: dict[str, str] = {}
+
+
+def _where(custodian: str | Path) -> str:
+    path = Path(custodian)
+    if path.is_dir():
+        path = custodian_socket_path(path)
+    return os.path.abspath(path)
+
+
+def use_credential(custodian: str | Path, token: str) -> None:
+    """The credential this process's daemons show the custodian at `custodian` (their preload's)."""
+    _credentials[_where(custodian)] = token
 
 
 class Handover:
@@ -30,6 +56,14 @@ class Handover:
         self.name = name  # the daemon's socket file name: what the cache is held under
         self._client: CustodianClient | None = None
         self._unreachable = False
+        self._held: tuple[Holding, bytes, bytes, list[int]] | None = None  # to deposit again (our own dups)
+        self._lock = threading.Lock()  # the dups: never closed while a deposit sends them
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    @property
+    def token(self) -> str:
+        return _credentials.get(_where(self.path), "")
 
     def client(self) -> CustodianClient | None:
         if self._client is None and not self._unreachable:
@@ -47,21 +81,23 @@ class Handover:
             return False
         holding = Holding(name=self.name, model=key.model, role=key.role, rank=key.rank, device=device,
                           gpu_uuid=gpu_uuid, block_bytes=[b.nbytes for b in manifest.blocks])
+        encoded_key, encoded_manifest = msgspec.msgpack.encode(key), msgspec.msgpack.encode(manifest)
         try:
-            client.deposit(holding, msgspec.msgpack.encode(key), msgspec.msgpack.encode(manifest), fds)
-            return True
+            client.deposit(holding, encoded_key, encoded_manifest, fds, self.token)
         except WeightCacheError as e:
             log.warning("the custodian did not take this rank's cache (%s): it will not outlive this daemon", e)
             return False
+        self._remember(holding, encoded_key, encoded_manifest, fds)
+        return True
 
     def adopt(self, key: CacheKey, device: str, gpu_uuid: str) -> tuple[Manifest, list[AdoptedBlock]] | None:
-        """The cache held under this name, if its key equals ``key`` field by field and it fits this
-        daemon's device; None when none is held. One that does not fit is released."""
+        """The cache held under this name, if its key equals ``key`` field by field, it fits this daemon's
+        device and every block passes its check; None when none is held. One that is refused is released."""
         client = self.client()
         if client is None:
             return None
         try:
-            got = client.claim(self.name)
+            got = client.claim(self.name, self.token)
         except WeightCacheError as e:
             log.warning("custodian: %s; loading afresh", e)
             return None
@@ -70,24 +106,84 @@ class Handover:
         claimed, fds = got
         try:
             manifest = check_claimed(claimed, len(fds), key, device, gpu_uuid)
-            blocks = [AdoptedBlock(fd, spec.nbytes, device) for fd, spec in zip(fds, manifest.blocks, strict=True)]
+            sizes = [spec.nbytes for spec in manifest.blocks]
+            check_blocks(fds, sizes, device, cuda_index_of(gpu_uuid) if device == "cuda" else None)
+            blocks = [AdoptedBlock(fd, n, device) for fd, n in zip(fds, sizes, strict=True)]
         except (ValueError, WeightCacheError, msgspec.DecodeError, OSError) as e:
             for fd in fds:
-                os.close(fd)
-            log.warning("the custodian's cache %s does not fit this daemon (%s): releasing it, loading afresh",
-                        self.name, e)
-            try:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            log.warning("refused the custodian's cache %s (%s): releasing it, loading afresh", self.name, e)
+            with contextlib.suppress(WeightCacheError):
                 client.release([self.name])
-            except WeightCacheError:
-                pass
             return None
+        self._remember(claimed.holding, claimed.key, claimed.manifest, fds)
         return manifest, blocks
+
+    # -- the custodian may die: deposit again with its replacement
+
+    def _remember(self, holding: Holding, key: bytes, manifest: bytes, fds: list[int]) -> None:
+        dups: list[int] = []
+        try:
+            for fd in fds:
+                dups.append(os.dup(fd))
+        except OSError as e:
+            for fd in dups:
+                os.close(fd)
+            log.debug("cannot keep descriptors to deposit again (%s)", e)
+            return
+        with self._lock:
+            self._held = (holding, key, manifest, dups)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watch_custodian, name="weightcache-custody", daemon=True)
+            self._watch.start()
+
+    def _watch_custodian(self) -> None:
+        while not self._closed.wait(WATCH_PERIOD_S):
+            client = self._client
+            if client is not None and not client.lost():
+                continue
+            if client is not None:
+                log.warning("the custodian (pid %d) is gone: this rank's cache is deposited again once a new one "
+                            "runs", client.pid)
+                client.close()
+                self._client = None
+            self._deposit_again()
+
+    def _deposit_again(self) -> None:
+        try:
+            client = CustodianClient.connect(self.path, client=f"daemon {self.name}", timeout=REDEPOSIT_CONNECT_S)
+        except DaemonUnavailable:
+            return  # none yet: the supervisor starts one
+        except WeightCacheError as e:
+            log.debug("custodian: %s", e)
+            return
+        with self._lock:
+            if self._closed.is_set() or self._held is None:
+                client.close()
+                return
+            holding, key, manifest, fds = self._held
+            try:
+                client.deposit(holding, key, manifest, fds, self.token)
+            except WeightCacheError as e:  # its supervisor has not registered with it yet: try again
+                log.debug("the new custodian did not take this rank's cache yet (%s)", e)
+                client.close()
+                return
+        self._client = client
+        log.warning("the custodian (pid %d) holds this rank's cache again", client.pid)
 
     def close(self) -> None:
         """Drop the connection: what was deposited stays held for a replacement."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._closed.set()
+        with self._lock:
+            if self._held is not None:
+                for fd in self._held[3]:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._held = None
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
 
 def check_claimed(claimed, nfds: int, key: CacheKey, device: str, gpu_uuid: str) -> Manifest:

@@ -11,7 +11,7 @@ from .errors import KeyMismatch
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: content digests are BLAKE3 trees over 16 MiB chunks (digests.py), no longer SHA-256
 
 class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     model: str

@@ -11,6 +11,7 @@ from .dtypes import itemsize
 
 ALIGNMENT = 256
 DEFAULT_BLOCK_BYTES = 16 << 30  # few handles to import per attach (docs/benchmarks.md)
+DIGEST_CHUNK_MIN = 16  # digest chunks are whole 16-byte units (integrity/algorithm.py)
 ROLES = ("parameter", "buffer", "nonpersistent_buffer", "attribute")
 
 
@@ -45,6 +46,7 @@ class StorageSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class BlockSpec(msgspec.Struct, array_like=True, gc=False):
     nbytes: NonNegative
+    digests: bytes = b""  # one little-endian 64-bit digest per chunk (Manifest.integrity); empty: none
 
 
 class Manifest(msgspec.Struct):
@@ -53,6 +55,8 @@ class Manifest(msgspec.Struct):
     blocks: list[BlockSpec]
     device: str = "cpu"
     gpu_uuid: str = ""
+    integrity: str = ""  # the algorithm of the blocks' digests; "": none recorded
+    chunk_bytes: int = 0  # the digests' chunk size
 
     @property
     def nbytes(self) -> int:
@@ -162,5 +166,22 @@ def validate(manifest: Manifest) -> None:
         names.add(t.name)
     if len(names) != len(manifest.tensors):
         check_unique([t.name for t in manifest.tensors])
+    validate_digests(manifest)
+
+
+def validate_digests(manifest: Manifest) -> None:
+    """Refuse digests that do not cover their blocks chunk for chunk."""
+    if not manifest.integrity:
+        if any(b.digests for b in manifest.blocks):
+            raise ValueError("blocks carry digests but the manifest names no digest algorithm")
+        return
+    chunk = manifest.chunk_bytes
+    if not isinstance(chunk, int) or chunk < DIGEST_CHUNK_MIN or chunk % DIGEST_CHUNK_MIN:
+        raise ValueError(f"digest chunk size {chunk!r} is not a positive multiple of {DIGEST_CHUNK_MIN}")
+    for i, b in enumerate(manifest.blocks):
+        want = 8 * -(-b.nbytes // chunk)
+        if len(b.digests) != want:
+            raise ValueError(f"block {i}: {len(b.digests)} bytes of digests, its {b.nbytes} bytes in chunks of "
+                             f"{chunk} need {want}")
 
 

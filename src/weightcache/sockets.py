@@ -1,6 +1,7 @@
 """Sockets, the one place that knows their names: where they live (a private per-user directory), what a
-daemon's socket is called (role, rank, GPU and cache identity), the custodian's, parsing a name back,
-finding a daemon's socket, and probing for stale ones. Imports no torch until a GPU's tag is asked for."""
+daemon's socket is called (role, rank, GPU and cache identity), the custodian's and the warm engine
+interpreter's, parsing a name back, finding a daemon's socket, and probing for stale ones. Imports no torch
+until a GPU's tag is asked for."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ log = logging.getLogger("weightcache.sockets")
 MAX_SOCKET_PATH = 107
 SUFFIX = ".sock"  # daemons' sockets; the custodian's is not one (`status` and engines list daemons by it)
 CUSTODIAN_NAME = "custodian.ctl"
+WARM_NAME = "warm.ctl"  # the warm engine interpreter (warm/server.py)
 _DAEMON_NAME = re.compile(r"^(?P<role>[a-z]+)-r(?P<rank>\d+)-(?P<dev>[0-9a-z]+)-(?P<hash>[0-9a-f]+)\.sock$")
 
 
@@ -75,15 +77,20 @@ def ensure_private_dir(path: str | Path) -> Path:
 
 def device_tag(device) -> str:
     """"cpu", or a short hash of the GPU's UUID (indices change with CUDA_VISIBLE_DEVICES, UUIDs do not)."""
+    if str(getattr(device, "type", device)) == "cpu":
+        return "cpu"
     import torch
 
     device = torch.device(device)
-    if device.type == "cpu":
-        return "cpu"
     from .arena.cuda import gpu_uuid
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return hashlib.sha256(gpu_uuid(index).encode()).hexdigest()[:8]
+    return tag_of_uuid(gpu_uuid(index))
+
+
+def tag_of_uuid(uuid: str) -> str:
+    """A GPU's short tag in socket names, from its UUID (as torch prints it)."""
+    return hashlib.sha256(uuid.encode()).hexdigest()[:8]
 
 
 def socket_name(key: CacheKey, tag: str) -> str:
@@ -125,6 +132,10 @@ def longest_socket_path(socket_dir: str | Path, roles: list[str], world_size: in
 
 def custodian_socket_path(socket_dir: str | Path) -> Path:
     return Path(socket_dir) / CUSTODIAN_NAME
+
+
+def warm_socket_path(socket_dir: str | Path) -> Path:
+    return Path(socket_dir) / WARM_NAME
 
 
 def daemon_sockets(socket_dir: str | Path) -> list[Path]:

@@ -18,7 +18,7 @@ from .errors import DaemonUnavailable, ProtocolError
 from .key import CacheKey, FieldDiff
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 2  # 2: manifest specs travel as arrays
+PROTOCOL_VERSION = 3  # 2: manifest specs travel as arrays; 3: blocks carry digests, verify requests
 MAX_FRAME = 64 << 20  # daemon -> client (a large model's manifest)
 MAX_REQUEST_FRAME = 256 << 10  # client -> daemon: a Hello with its key, a status request, a ping
 RECV_CHUNK = 64 << 10  # a frame's buffer grows with what has arrived, never ahead of it
@@ -86,6 +86,38 @@ class DaemonStatus(msgspec.Struct, tag="status_reply", kw_only=True):
     attach_seconds_count: int = 0
     attach_seconds_buckets: list[int] = []
     info: dict[str, str] = {}
+    phases: dict[str, float] = {}  # seconds the load spent in each phase (reading, building, packing, ...)
+    integrity: str = ""  # the algorithm of the digests recorded at load ("": none recorded)
+    digest_seconds: float = 0.0  # computing them, after the fill (or verifying them, after an adoption)
+    verified_at: float = 0.0  # time.time() of the last re-hash of the resident bytes; 0: never
+    verify_seconds: float = 0.0
+    verify_result: str = ""  # "" (never) | "ok" | "mismatch" | "error"
+    verify_message: str = ""  # what differed (or failed), one line
+    verifications: int = 0  # re-hashes done (requests and scrubs)
+    scrub_interval: float = 0.0  # seconds between background re-hashes; 0: none
+
+
+class VerifyRequest(msgspec.Struct, tag="verify"):
+    """Re-hash the resident bytes and compare them with the digests recorded at load."""
+
+
+class BlockMismatch(msgspec.Struct, kw_only=True):
+    block: int
+    chunks: list[int]  # the chunks whose digest differs
+    tensors: list[str]  # the tensors overlapping them; empty: only bytes between tensors differ
+
+
+class VerifyReport(msgspec.Struct, tag="verify_reply", kw_only=True):
+    state: str  # the daemon's
+    checked: bool = False  # the resident bytes were hashed
+    ok: bool = False
+    algorithm: str = ""
+    chunk_bytes: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    checked_at: float = 0.0  # time.time()
+    mismatches: list[BlockMismatch] = []
+    message: str = ""
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -96,7 +128,8 @@ class Pong(msgspec.Struct, tag="pong"):
     pass
 
 
-Message = Hello | Attached | NotReady | Error | StatusRequest | DaemonStatus | Ping | Pong
+Message = (Hello | Attached | NotReady | Error | StatusRequest | DaemonStatus | VerifyRequest | VerifyReport | Ping
+           | Pong)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

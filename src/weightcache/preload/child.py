@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -15,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -29,6 +31,7 @@ TERM_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 PR_SET_PDEATHSIG = 1
 EXIT_OOM = 3  # a daemon ran out of device or host memory
 EXIT_KEY_CHANGED = 4  # a replacement daemon computed another key than its rank agreed on: never restarted
+EXIT_NOT_HELD = 5  # a rank that had to take its cache from the custodian found none (a restart from a record)
 GO = b"go"  # every node agreed: take the cache from the custodian if it holds it, else load
 LOAD = b"load"  # load afresh (some rank of the group has nothing held: its ranks load together)
 ADOPT = b"adopt"  # take the cache from the custodian or fail (a rank that cannot load alone)
@@ -64,8 +67,46 @@ class ChildSpec:
     info: dict
     log_level: int = logging.INFO
     custodian: str = ""  # the custodian's socket: adopt the cache it holds, deposit a fresh load
+    custodian_token: str = ""  # the preload's credential with the custodian (travels pickled, never in the env)
     loads_alone: bool = True
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
+    gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
+    preimport: tuple = ()  # modules a load will need, imported while the daemon waits for "go"
+    scrub_interval: float = 0.0  # seconds between re-hashes of the resident weights (0: none)
+
+
+class NotHeld(WeightCacheError):
+    """This rank's cache had to be taken from the custodian, and it holds none: the preload starts again in full."""
+
+
+def _preimport(modules: tuple) -> None:
+    """Import what a load will need while the supervisor still hashes and the nodes agree (a load that comes
+    meanwhile waits on Python's import lock; a daemon that adopts its cache simply never uses them)."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - the load imports it again and says what is wrong
+            log.debug("pre-import of %s failed: %s", m, e)
+
+
+def dump_modules(name: str) -> None:
+    """With $WEIGHTCACHE_DUMP_MODULES (a directory), write this process's imported modules there (tests check
+    which engines a restart imports)."""
+    where = os.environ.get("WEIGHTCACHE_DUMP_MODULES")
+    if where:
+        with contextlib.suppress(OSError):
+            Path(where, f"{name}.modules").write_text("\n".join(sorted(sys.modules)))
+
+
+def _check_gpu(index: int, expected: str) -> None:
+    """The device at ``index`` is the GPU the record names (CUDA_VISIBLE_DEVICES may have changed)."""
+    from ..gpus import uuid_of
+
+    actual = uuid_of(index)
+    if actual is not None and actual != expected:
+        raise NotHeld(f"device {index} is GPU {actual}, the cache is on GPU {expected}")
 
 
 def _die_with_parent(parent_pid: int, lifeline, go: threading.Event, mode: list) -> None:
@@ -144,9 +185,11 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     code = 0
     try:
         from ..daemon import Daemon
-        from ..sockets import device_tag, socket_path
+        from ..sockets import device_tag, socket_path, tag_of_uuid
 
-        if p.device.startswith("cuda"):
+        if p.device.startswith("cuda") and spec.gpu_uuid:
+            _check_gpu(p.local_index, spec.gpu_uuid)
+        elif p.device.startswith("cuda"):
             import torch
 
             torch.cuda.set_device(p.local_index)  # local index == device index
@@ -163,12 +206,21 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
                 code = EXIT_KEY_CHANGED
                 raise ValueError("the weights changed since this rank started (" + ", ".join(
                     f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
-        path = socket_path(spec.socket_dir, key, device_tag(p.device))
+        tag = tag_of_uuid(spec.gpu_uuid) if p.device.startswith("cuda") and spec.gpu_uuid else device_tag(p.device)
+        path = socket_path(spec.socket_dir, key, tag)
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
-        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None)
+        if spec.custodian:
+            from ..handover import use_credential
+
+            use_credential(spec.custodian, spec.custodian_token)
+        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None,
+                        gpu_uuid=spec.gpu_uuid or None, scrub_interval=spec.scrub_interval)
         daemon.start()
-        _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key))
+        _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
+              gpu_uuid=daemon._gpu_uuid)
+        if spec.preimport:
+            threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport", daemon=True).start()
         while not go.wait(0.5):
             pass
         if mode[0] != LOAD and daemon.adopt():
@@ -180,6 +232,7 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
             source.get().produce(daemon)
         else:
             daemon.load(source.get())
+        dump_modules(f"{spec.role}-r{p.rank}")
         st = daemon.status()
         _send(conn, "ready", nbytes=st.nbytes, ntensors=st.ntensors, load_seconds=st.load_seconds,
               adopted=st.adopted, held=st.held, ready_seconds=st.ready_seconds)
@@ -187,7 +240,7 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     except _Terminated:
         code = 0
     except BaseException as e:
-        code = EXIT_OOM if out_of_memory(e) else (code or 1)
+        code = EXIT_OOM if out_of_memory(e) else EXIT_NOT_HELD if isinstance(e, NotHeld) else (code or 1)
         if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
             code = e.code
         message = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the library wrote
@@ -218,6 +271,7 @@ class Child:
     state: str = "spawned"  # spawned | started | ready | failed
     message: str = ""
     ready_info: dict = field(default_factory=dict)
+    gpu_uuid: str = ""
     replacement: bool = False  # started after READY in place of a daemon that died
     go_sent: bool = False
     announced: bool = False
@@ -251,6 +305,7 @@ class Child:
             if kind == "started":
                 self.socket, self.state = msg["socket"], "started"
                 self.key = msgspec.convert(msg["key"], CacheKey)
+                self.gpu_uuid = msg.get("gpu_uuid", "")
             elif kind == "ready":
                 self.state, self.ready_info = "ready", msg
             elif kind == "failed":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LayoutError
-from .layout import Layout
+from .layout import Layout, LoopbackLayout
 from .options import (
     UsageError,
     add_weight_cache_arguments,
@@ -117,16 +117,6 @@ def layouts_from_args(args, device_type: str, local_devices: int | None):
     return main, draft
 
 
-class LoopbackLayout(Layout):
-    """A Layout whose "nodes" may share one host over loopback (--weight-cache-allow-loopback-nodes)."""
-
-    def _check_addresses(self) -> None:
-        if self.nodes > 1 and self.dp_local is None and not self.master_addr:
-            raise LayoutError(f"{self.nodes} nodes need --master-addr (the same on every node)")
-        if self.dp_local is not None and self.dp_local < self.dp and not (self.dp_address or self.master_addr):
-            raise LayoutError(f"data parallel across {self.nodes} nodes needs --data-parallel-address")
-
-
 def resolve_ports(args, nodes: int, has_draft: bool) -> tuple[int, int]:
     """(main port, draft port); 0 means a free port chosen at start (single node only)."""
     main = args.weight_cache_master_port or 0
@@ -207,6 +197,18 @@ def _check_transformers_layout(args, path: str) -> None:
     if importlib.util.find_spec("accelerate") is None:
         raise UsageError(f"--engine transformers with -tp {tp}: transformers' tensor parallel loading needs "
                          "accelerate (pip install accelerate)")
+
+
+def transformers_modules(path: str) -> tuple[str, ...]:
+    """What transformers' from_pretrained imports to build this model (its model class's module included)."""
+    mods = ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if isinstance(model_type, str) and model_type.isidentifier():
+        mods.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return tuple(mods)
 
 
 def _check_config(role: str, path: str, tp_size: int, tp_plan) -> None:
@@ -306,13 +308,13 @@ def preload_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        return _preload(args)
+        return _preload(args, argv)
     except UsageError as e:
         print(f"weightcache preload: error: {e}", file=sys.stderr)
         return 2
 
 
-def _preload(args) -> int:
+def _preload(args, argv: list[str]) -> int:
     from .supervisor import Group
 
     model = args.model or args.model_pos
@@ -363,13 +365,14 @@ def _preload(args) -> int:
             raise UsageError(f"--dtype: {e}") from None
 
     _check_local_ranks(device, [p[2] for p in plans])
-    from ..digests import checkpoint_digest
+    for role, path, _, _ in plans:
+        _check_weights(role, path, args.engine)  # every refusal before any hashing starts
+    from ..digests import start_checkpoint_digest
 
-    groups = []
+    groups, digests = [], []
     for role, path, layout, port in plans:
-        _check_weights(role, path, args.engine)
-        try:
-            checkpoint_digest(path)  # hashed once here; every daemon then only stat()s the files
+        try:  # hashed once, here, while the daemons start; they wait for it, then only stat() the files
+            digests.append((f"{role} model {path}", start_checkpoint_digest(path, nice=10)))
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":
@@ -388,11 +391,12 @@ def _preload(args) -> int:
                              "enable_expert_parallel": args.enable_expert_parallel, "master_addr": master_addr,
                              "master_port": port},
                 master_addr=master_addr, master_port=port, info={"engine": args.engine},
-                loads_alone=args.tensor_parallel_size == 1))  # tensor parallel ranks load in one process group
+                loads_alone=args.tensor_parallel_size == 1,  # tensor parallel ranks load in one process group
+                preimport=transformers_modules(path)))
             continue
         groups.append(Group(role=role, layout=layout, make_source=checkpoint_source,
                             source_args={"path": str(path), "dtype": dtype, "tp_plan": tp_plan},
                             key_args={"revision": args.revision}, master_addr=master_addr, master_port=port,
                             info={"engine": args.engine}))
     socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, roles, world, device)
-    return run_supervisor(groups, socket_dir, args)
+    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=[p[1] for p in plans], digests=digests)

@@ -31,6 +31,8 @@ class Group:
     master_port: int = 0  # 0: a free port (single node only)
     info: dict = field(default_factory=dict)
     loads_alone: bool = True  # a rank's source loads without its peers (False: vLLM's loader with a process group)
+    gpu_uuids: dict = field(default_factory=dict)  # rank -> its GPU's UUID, where known ahead (no torch needed)
+    preimport: tuple = ()  # modules a load needs: the daemons import them while they wait to load
 
 
 def default_key(source, placement: Placement, *, layout: str, role: str, **base) -> CacheKey:

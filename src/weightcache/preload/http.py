@@ -37,11 +37,13 @@ class DaemonEntry:
             return "exited"
         if self.status is None:
             return "unreachable"
+        if getattr(self.status, "verify_result", "") == "mismatch":
+            return "weights changed"  # its resident bytes differ from their digests: it refuses attaches
         return self.status.state
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.status is not None and self.status.state == "ready"
+        return self.alive and self.status is not None and self.state == "ready"
 
     def to_json(self) -> dict:
         out = {
@@ -89,6 +91,15 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
                                              "the custodian (no load)", labels=labels),
                 "held": GaugeMetricFamily("weightcache_cache_held", "1 if the custodian holds a copy (the cache "
                                           "outlives the daemon)", labels=labels),
+                "verify_ok": GaugeMetricFamily("weightcache_verify_ok", "1 if the last re-hash of the resident "
+                                               "weights matched their digests, 0 if not (absent: never verified)",
+                                               labels=labels),
+                "verified_at": GaugeMetricFamily("weightcache_verified_time_seconds", "unix time of the last "
+                                                 "re-hash of the resident weights", labels=labels),
+                "verify_s": GaugeMetricFamily("weightcache_verify_duration_seconds", "time the last re-hash took",
+                                              labels=labels),
+                "digest_s": GaugeMetricFamily("weightcache_digest_duration_seconds", "time recording (or, after an "
+                                              "adoption, checking) the digests took", labels=labels),
             }
             c = {
                 "attaches": CounterMetricFamily("weightcache_attaches", "attaches served", labels=labels),
@@ -96,6 +107,8 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
                 "served": CounterMetricFamily("weightcache_bytes_served", "bytes handed to clients", labels=labels),
                 "restarts": CounterMetricFamily("weightcache_daemon_restarts", "daemons started in place of one "
                                                 "that died after READY", labels=labels),
+                "verifications": CounterMetricFamily("weightcache_verifications", "re-hashes of the resident "
+                                                     "weights (requests and scrubs)", labels=labels),
             }
             hist = HistogramMetricFamily("weightcache_attach_seconds", "time to serve one attach", labels=labels)
             for e in entries:
@@ -116,6 +129,12 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
                     g[name].add_metric(lv, float(value))
                 g["adopted"].add_metric(lv, 1.0 if getattr(s, "adopted", False) else 0.0)
                 g["held"].add_metric(lv, 1.0 if getattr(s, "held", False) else 0.0)
+                if getattr(s, "verify_result", ""):
+                    g["verify_ok"].add_metric(lv, 1.0 if s.verify_result == "ok" else 0.0)
+                    g["verified_at"].add_metric(lv, float(s.verified_at))
+                    g["verify_s"].add_metric(lv, float(s.verify_seconds))
+                g["digest_s"].add_metric(lv, float(getattr(s, "digest_seconds", 0.0)))
+                c["verifications"].add_metric(lv, float(getattr(s, "verifications", 0)))
                 c["attaches"].add_metric(lv, float(s.attaches_served))
                 c["refused"].add_metric(lv, float(getattr(s, "attaches_refused", 0)))
                 c["served"].add_metric(lv, float(s.bytes_served))
@@ -182,6 +201,7 @@ def build_app(collect: Collect, info: Callable[[], dict] | None = None, extra: E
         entries = collect()
         ok = healthy(entries)
         bad = [f"{e.role} rank {e.rank}: {e.state}" + (f" ({e.error})" if e.error else "")
+               + (f" ({e.status.verify_message})" if e.state == "weights changed" else "")
                for e in entries if not e.ready]
         body = {"status": "ok" if ok else "unavailable", "daemons": len(entries), "not_ready": shown(bad)}
         return JSONResponse(body, status_code=200 if ok else 503)

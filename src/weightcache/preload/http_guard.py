@@ -90,7 +90,7 @@ class GuardedProtocol(asyncio.Protocol):
             return
         if not self.head_done:
             seen = self._tail + data
-            if b"\r\n\r\n" in seen:
+            if b"\r\n\r\n" in seen or b"\n\n" in seen:  # the blank line ends the head
                 self.head_done = True
                 self._arm(self.guard.request_timeout)
             else:

@@ -338,3 +338,13 @@ class Layout:
             if v is not None:
                 args[known[k]] = v
         return cls(**args)
+
+
+class LoopbackLayout(Layout):
+    """A Layout whose "nodes" may share one host over loopback (--weight-cache-allow-loopback-nodes)."""
+
+    def _check_addresses(self) -> None:
+        if self.nodes > 1 and self.dp_local is None and not self.master_addr:
+            raise LayoutError(f"{self.nodes} nodes need --master-addr (the same on every node)")
+        if self.dp_local is not None and self.dp_local < self.dp and not (self.dp_address or self.master_addr):
+            raise LayoutError(f"data parallel across {self.nodes} nodes needs --data-parallel-address")

@@ -10,6 +10,8 @@ import math
 import sys
 from pathlib import Path
 
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S
+
 DEFAULT_HEALTH_HOST = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -42,6 +44,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds > 0")
+    return v
+
+
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
     return v
 
 
@@ -83,8 +96,20 @@ def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False
     g.add_argument("--weight-cache-keep-on-stop", action="store_true",
                    help="on SIGINT/SIGTERM leave the weights with the custodian, for the next preload of the "
                         "same model and flags (an upgrade); `weightcache release` frees them")
+    g.add_argument("--weight-cache-hold-after-exit", type=seconds_or_zero, default=DEFAULT_HOLD_AFTER_EXIT_S,
+                   metavar="S", help="how long the custodian keeps the weights of a preload that is gone without "
+                   f"an orderly stop (killed, crashed), for its next start (default {DEFAULT_HOLD_AFTER_EXIT_S:.0f}; "
+                   "0: free them at once); `weightcache release` frees them earlier")
+    g.add_argument("--weight-cache-scrub-interval", type=seconds, default=None, metavar="S",
+                   help="every S seconds each daemon re-hashes its resident weights against the digests recorded "
+                        "at load, at low priority; a change is logged, shown in status and /metrics, makes /health "
+                        "503 and refuses new attaches (default: off; `weightcache verify` checks on demand)")
     g.add_argument("--weight-cache-no-custodian", action="store_true",
                    help="no custodian: the weights live and die with their daemons")
+    g.add_argument("--warm-engine", "--weight-cache-warm-engine", dest="weight_cache_warm_engine",
+                   action="store_true",
+                   help="also keep an interpreter with torch, vLLM and transformers imported, from which "
+                        "`weightcache run -- vllm serve ...` starts engines without paying the imports")
     g.add_argument("--weight-cache-log-level" if vllm else "--log-level", dest="log_level", default="INFO",
                    choices=LOG_LEVELS)
 
@@ -112,15 +137,27 @@ def resolve_socket_dir(explicit: str | None, roles: list[str], world_size: int, 
         raise UsageError(f"{e}" + (" (--weight-cache-socket-dir)" if explicit else "")) from None
 
 
-def run_supervisor(groups, socket_dir, args) -> int:
-    """Run the daemon groups with the --weight-cache-* options every preload front end shares."""
+def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, checkpoints=(), digests=()) -> int:
+    """Run the daemon groups with the --weight-cache-* options every preload front end shares. ``argv`` and
+    ``checkpoints``: the preload's command line and checkpoint directories, remembered once READY for a
+    restart that needs no engine (``record.py``). ``digests``: (what, Future) of checkpoint hashes started by
+    the front end; the start fails in one line if one does."""
     from .layout import is_loopback
+    from .record import checkpoint_stamps
     from .supervisor import StartError, Supervisor
 
     details = args.weight_cache_status_details
     if details and not is_loopback(args.weight_cache_health_host):
         raise UsageError(f"--weight-cache-status-details shows process ids and paths: allowed only with a loopback "
                          f"--weight-cache-health-host, not {args.weight_cache_health_host}")
+
+    remember = None
+    if argv is not None and not args.weight_cache_no_custodian:
+        try:
+            remember = {"argv": list(argv), "checkpoints": [str(Path(c).resolve()) for c in checkpoints],
+                        "stamps": checkpoint_stamps(checkpoints)}
+        except OSError:
+            remember = None
     try:
         sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
                          status_details=details,
@@ -129,7 +166,10 @@ def run_supervisor(groups, socket_dir, args) -> int:
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,
                          log_level=getattr(logging, args.log_level),
                          custodian=not args.weight_cache_no_custodian,
-                         keep_on_stop=args.weight_cache_keep_on_stop)
+                         keep_on_stop=args.weight_cache_keep_on_stop, remember=remember,
+                         digests=list(digests), hold_after_exit=args.weight_cache_hold_after_exit,
+                         scrub_interval=args.weight_cache_scrub_interval or 0.0,
+                         warm_engine=getattr(args, "weight_cache_warm_engine", False))
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

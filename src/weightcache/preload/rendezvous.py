@@ -43,11 +43,32 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+class LocalStore:
+    """The store calls a single node's rendezvous makes, in process (torch.distributed's TCPStore's methods)."""
+
+    def __init__(self):
+        self._data: dict[str, bytes] = {}
+
+    def set(self, key: str, value) -> None:
+        self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        return self._data[key]
+
+    def add(self, key: str, n: int) -> int:
+        v = int(self._data.get(key, b"0")) + n
+        self._data[key] = str(v).encode()
+        return v
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self._data for k in keys)
+
+
 class Rendezvous:
     """One daemon group's (role's) view of the cluster; one store per group, on its own port."""
 
     def __init__(self, *, group: str, master_addr: str, master_port: int, nnodes: int, node_rank: int,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, local: bool = False):
         if nnodes < 1 or not 0 <= node_rank < nnodes:
             raise RendezvousError(f"node rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
         if node_rank > 0 and not master_port:
@@ -61,6 +82,8 @@ class Rendezvous:
         self._stamps: dict[int, dict[str, str]] = {}
         self._seen = False
         self.all_held = False  # after agree(): every node's custodian holds all its ranks' caches
+        # one node and no daemon that meets its peers through the store: an in-process store (no torch)
+        self.local = local and nnodes == 1
 
     @property
     def is_master(self) -> bool:
@@ -71,6 +94,9 @@ class Rendezvous:
 
     def start(self) -> int:
         """Host (node 0) or reach the store. Returns the port (the real one when 0 was asked)."""
+        if self.local:
+            self.store = LocalStore()
+            return self.port
         import torch.distributed as dist
 
         where = f"{self.master_addr}:{self.port}"

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from ..key import CacheKey
 from .child import (
     ADOPT,
@@ -42,9 +44,10 @@ from .child import (
     _raise_terminated,
     _Terminated,
     child_main,
+    dump_modules,
     exit_code_of,
 )
-from .custody import Custody
+from .custody import DEFAULT_HOLD_AFTER_EXIT_S, Custody
 from .group import Group, default_key, stamp_of
 from .layout import Placement
 
@@ -77,7 +80,15 @@ class Supervisor:
                  health_port: int | None = None, start_timeout: float = 3600.0,
                  rendezvous_timeout: float = 600.0, log_level: int = logging.INFO, ready_stream=None,
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
-                 status_details: bool = False):
+                 remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None,
+                 hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S, scrub_interval: float = 0.0,
+                 warm_engine: bool = False, status_details: bool = False):
+        """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
+        supervisor writes them with every rank's key into a record its own restart comes back from
+        (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
+        restart from a record): on one node it is kept in process, without torch. ``hold_after_exit``: how long
+        the custodian keeps this preload's caches once it is gone without an orderly stop. ``status_details``:
+        /status and /metrics show pids and paths (http.build_app)."""
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -104,13 +115,19 @@ class Supervisor:
         self._ctx = mp.get_context("spawn")
         self._marked: set[str] = set()
         self.use_custodian, self.keep_on_stop, self.restart = custodian, keep_on_stop, restart
-        self.custody = Custody(self.socket_dir)  # the custodian keeps the caches past their daemons
-        self._stopped_by_signal = False
+        self.custody = Custody(self.socket_dir, hold_after_exit)  # keeps the caches past their daemons
+        self.hold_after_exit = hold_after_exit
+        self.scrub_interval = scrub_interval  # each daemon re-hashes its weights this often (0: never)
+        self.stopped_by_signal = False
         self._keys: dict[tuple[str, int], CacheKey] = {}  # (role, rank) -> the key agreed at start
         self.restarts: dict[tuple[str, int], int] = {}
         self._failed_restarts: dict[tuple[str, int], int] = {}
         self._pending: dict[int, float] = {}  # child index -> when to start its replacement
         self._retired: list[Child] = []  # replaced children, closed a round later (the HTTP thread may look)
+        self.remember, self.local_rendezvous = remember, local_rendezvous
+        self.digests = list(digests or [])  # (what, Future): checkpoint hashes running while the daemons start
+        self.warm = None  # warm.service.WarmService with --warm-engine
+        self.warm_engine = warm_engine
 
     @property
     def node_rank(self) -> int:
@@ -132,7 +149,7 @@ class Supervisor:
             code = self.hold()
         except _Terminated as t:
             log.info("%s received: stopping every daemon", t)
-            self._stopped_by_signal = True
+            self.stopped_by_signal = True
             if not self.ready:  # the other nodes must not wait for this one
                 failure = StartError(f"node {self.node_rank} was stopped ({t}) during start-up", 0)
         except BaseException as e:
@@ -158,9 +175,15 @@ class Supervisor:
             self.custody.open()
         else:
             self.custody.note_leftovers()
+        if self.warm_engine:
+            from ..warm.service import WarmService
+
+            self.warm = WarmService(self.socket_dir)
+            self.warm.start()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
-                             nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout)
+                             nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout,
+                             local=self.local_rendezvous)
             self.rendezvous[g.role] = rdv
             g.master_port = rdv.start()
         n = sum(len(g.layout.local_placements()) for g in self.groups)
@@ -169,6 +192,7 @@ class Supervisor:
         for g in self.groups:
             for p in g.layout.local_placements():
                 self._spawn(g, p)
+        self._await_digests()
         self._wait_for(lambda: all(c.state in ("started", "ready") for c in self.children), "to open its socket")
         self._prune()
         held = {g.role: self._held_here(g) for g in self.groups}
@@ -189,7 +213,50 @@ class Supervisor:
             slowest = max(float(c.ready_info.get("load_seconds", 0)) for c in adopted)
             log.info("%d of %d daemon(s) took their weights from the custodian (no load; the slowest in %.1f ms)",
                      len(adopted), len(self.children), slowest * 1e3)
+        self._write_record()
+        dump_modules("supervisor")
         self._print_ready()
+
+    def _await_digests(self) -> None:
+        """The checkpoint hashes the front end started (the daemons wait for them to derive their keys)."""
+        for what, fut in self.digests:
+            try:
+                fut.result(timeout=self.start_timeout)
+            except OSError as e:
+                raise StartError(f"{what}: {e}", 2) from None
+            except TimeoutError:
+                raise StartError(f"{what}: hashing the checkpoint took longer than the start timeout", 1) from None
+
+    def _write_record(self) -> None:
+        """What a restart of this very preload needs to come back without the engine (``record.py``)."""
+        if self.remember is None or self.custody.client is None:
+            return
+        from . import record
+
+        groups = []
+        for g in self.groups:
+            mine = [c for c in self.children if c.spec.role == g.role]
+            groups.append({"role": g.role, "layout": record.layout_fields(g.layout), "master_addr": g.master_addr,
+                           "master_port": g.master_port if g.layout.nodes > 1 else 0, "info": dict(g.info),
+                           "ranks": [{"rank": c.spec.placement.rank, "key": msgspec.to_builtins(c.key),
+                                      "socket": c.socket, "gpu_uuid": c.gpu_uuid} for c in mine]})
+        r = self.remember
+        try:
+            unchanged = record.checkpoint_stamps(r["checkpoints"]) == r["stamps"]
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            log.warning("the checkpoint changed while it loaded: no restart record (the next start loads again)")
+            return
+        options = {"health_host": self.health_host, "health_port": self.health_port,
+                   "hold_after_exit": self.hold_after_exit,
+                   "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
+                   "log_level": self.log_level, "keep_on_stop": self.keep_on_stop,
+                   "scrub_interval": self.scrub_interval}
+        record.write(record.Record(
+            rid=record.record_id(r["argv"]), argv=list(r["argv"]), socket_dir=str(self.socket_dir),
+            checkpoints=[str(c) for c in r["checkpoints"]], stamps=r["stamps"], groups=groups,
+            options=options, created_at=time.time()))
 
     def hold(self) -> int:
         """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503) and
@@ -219,7 +286,6 @@ class Supervisor:
                 c.reported = True
                 self._on_exit(i, c)
         self._start_due_replacements()
-        self.custody.check_alive()
         if all(c.reported for c in self.children) and not self._pending:  # each exit handled
             log.error("every daemon of this node has exited; stopping")
             return max(exit_code_of(c.proc.exitcode) for c in self.children)
@@ -302,9 +368,11 @@ class Supervisor:
 
     def _release_held(self, failure: BaseException | None) -> None:
         self.custody.owned.update(Path(c.socket).name for c in self.children if c.socket)
-        self.custody.finish(keep=failure is None and self.keep_on_stop and self._stopped_by_signal)
+        self.custody.finish(keep=failure is None and self.keep_on_stop and self.stopped_by_signal)
 
     def shutdown(self, failure: BaseException | None = None) -> None:
+        for _, fut in self.digests:
+            fut.cancel()
         from .rendezvous import RendezvousError
 
         if failure is not None and not isinstance(failure, RendezvousError):
@@ -313,6 +381,8 @@ class Supervisor:
         self._pending.clear()
         self._terminate_children()
         self._release_held(failure)
+        if self.warm is not None:
+            self.warm.stop(keep=failure is None and self.keep_on_stop and self._stopped_by_signal)
         for rdv in self.rendezvous.values():
             rdv.close()
         if self.http is not None:
@@ -327,7 +397,9 @@ class Supervisor:
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
                          supervisor_pid=os.getpid(), master_addr=g.master_addr,
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
-                         custodian=self.custody.socket, loads_alone=g.loads_alone)
+                         custodian=self.custody.socket, custodian_token=self.custody.token,
+                         loads_alone=g.loads_alone, gpu_uuid=g.gpu_uuids.get(p.rank, ""),
+                         preimport=tuple(g.preimport), scrub_interval=self.scrub_interval)
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:
@@ -510,8 +582,13 @@ class Supervisor:
         }
 
     def _custodian_metrics(self) -> list[tuple[str, str, float]]:
-        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs",
-                 1.0 if self.custody.info()["up"] else 0.0)]
+        info = self.custody.info()
+        expiry = info.get("next_expiry_s")
+        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs "
+                 "and answers", 1.0 if info["up"] else 0.0),
+                ("weightcache_custodian_next_release_seconds", "seconds until the custodian frees the next cache "
+                 "whose preload is gone (its lease); -1: none is counting down",
+                 -1.0 if expiry is None else float(expiry))]
 
     def _start_http(self) -> None:
         from .http import HealthServer, build_app

@@ -112,14 +112,15 @@ def plan_groups(args, vllm_config) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _strip_engine(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = _strip_engine(given)
     parser = build_parser()
     args = parser.parse_args(argv)
     from .options import configure_logging
 
     configure_logging(args.log_level)
     try:
-        return _preload(args)
+        return _preload(args, given)
     except Exception as e:
         from ..errors import WeightCacheError
         from .options import UsageError
@@ -138,23 +139,27 @@ def _model_configs(vllm_config) -> list:
     return configs
 
 
-def _download_and_hash(vllm_config) -> None:
-    """Fetch Hugging Face models once, here, and hash their files once, here: every daemon (and engine)
-    derives its key from the local files and then only stat()s them (the digest cache)."""
+def _download_and_hash(vllm_config) -> list:
+    """Fetch Hugging Face models once, here, and start hashing their files once, here, while the daemons
+    start: every daemon (and engine) derives its key from the local files, waits for the hash, then only
+    stat()s them (the digest cache). Returns (what, Future) per model."""
     import os
 
     from vllm.model_executor.model_loader import get_model_loader
 
-    from ..digests import checkpoint_digest
-    from ..integrations.vllm.producer import local_checkpoint_dir
+    from ..digests import start_checkpoint_digest
+    from ..integrations.vllm.common import local_checkpoint_dir
 
+    out = []
     for mc in _model_configs(vllm_config):
         if not os.path.isdir(str(mc.model)):
             get_model_loader(vllm_config.load_config).download_model(mc)
-        checkpoint_digest(local_checkpoint_dir(mc))
+        path = local_checkpoint_dir(mc)
+        out.append((f"model {path}", start_checkpoint_digest(path, nice=10)))
+    return out
 
 
-def _preload(args) -> int:
+def _preload(args, argv: list[str]) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
     from .options import UsageError, resolve_socket_dir, run_supervisor
@@ -169,11 +174,14 @@ def _preload(args) -> int:
     warn_if_untested()
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
-    _download_and_hash(vllm_config)
+    digests = _download_and_hash(vllm_config)
     groups = plan_groups(args, vllm_config)
     socket_dir = resolve_socket_dir(args.weight_cache_socket_dir, [g.role for g in groups],
                              max(g.layout.world_size for g in groups), groups[0].layout.device_type)
-    return run_supervisor(groups, socket_dir, args)
+    from ..integrations.vllm.common import local_checkpoint_dir
+
+    checkpoints = [local_checkpoint_dir(mc) for mc in _model_configs(vllm_config)]
+    return run_supervisor(groups, socket_dir, args, argv=argv, checkpoints=checkpoints, digests=digests)
 
 
 if __name__ == "__main__":

@@ -52,29 +52,40 @@ class CudaFill:
     the native loop's windows, made ahead (``staging.prepare_windows``); the fill takes or frees them. ``modes``
     tells afterwards how each file was read."""
 
-    def __init__(self, plan: ReadPlan, settings: ReadSettings, views, report: Callable[[int], None], *,
-                 device: torch.device | None = None, prepared: staging.EarlyWindows | None = None):
-        self.plan, self.settings, self.views, self.report = plan, settings, views, report
-        self.pieces, self.slices = plan.pieces, plan.slices
+    def __init__(self, plan: ReadPlan | None, settings: ReadSettings, views, report: Callable[[int], None], *,
+                 device: torch.device | None = None, prepared: staging.EarlyWindows | None = None,
+                 files=None):
+        self.settings = settings
         self._prepared = prepared
         self.device = device or next(v.device for v in views.values() if v.device.type == "cuda")
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.cu, self.arena = staging.driver()
-        self.ptrs = {n: v.data_ptr() for n, v in views.items()}
+        self.files = set(files) if files is not None else (plan.files() if plan is not None else set())
         self.modes: dict[Path, str] = {}
         self._modes_lock = threading.Lock()
         self.maps: dict[Path, FileMap] = {}
         self.direct_fds: dict[Path, int] = {}
+        self.fds: dict[Path, int] = {}
         self._huge_failed = False
         self._torch_copies = False  # the driver's copy failed once: torch's from then on
         self._early: staging.EarlyWindows | None = None
-        self._use_native = False  # the window loop is the native one (run decides)
+        self._native_windows = None  # made once per session, reused by every fill
+        self._use_native = False  # the window loop is the native one (open decides)
+        self._closed = False
+        self._bind(plan, views, report)
+
+    def _bind(self, plan: ReadPlan | None, views, report: Callable[[int], None]) -> None:
+        """The plan, destinations and progress callback of the next fill."""
+        self.plan, self.views, self.report = plan, views, report
+        self.pieces, self.slices = (plan.pieces, plan.slices) if plan is not None else ([], [])
+        self.ptrs = {n: v.data_ptr() for n, v in views.items()}
+        self.__dict__.pop("flat", None)
 
     # -- set-up -----------------------------------------------------------------------------------
 
     def _choose_modes(self) -> None:
         io = self.settings.io
-        files = sorted({p.file for p in self.pieces}, key=str)
+        files = sorted(self.files, key=str)
         why_not = staging.register_supported(self.index) if io in ("auto", "register") else ""
         for f in files:
             mode, fm = io, None
@@ -135,7 +146,16 @@ class CudaFill:
         return min(n, chunk_bytes)
 
     def run(self) -> None:
-        fds = {}
+        """One fill of the plan given at construction."""
+        try:
+            self.open()
+            self._fill()
+        finally:
+            self.close()
+
+    def open(self) -> None:
+        """A session over ``files``: modes chosen and files mapped once, the native loop's windows taken (or
+        made) once; then ``fill`` as many plans over those files as needed, then ``close``."""
         try:
             self._choose_modes()
             piped_files = {f for f in self.maps if self._pipelined(f)}
@@ -148,32 +168,53 @@ class CudaFill:
             if self._use_native and early is None and NATIVE_EARLY:
                 early = staging.prepare_windows(self.settings, self.index)
             self._early = early
-            native = []  # the native loop packs its files' pieces into windows itself
-            if self._use_native:
-                native = [p for p in self.pieces if p.file in piped_files]
-                items = self.plan.work_items(self._segment_bytes, self.settings.order,
-                                             [p for p in self.pieces if p.file not in piped_files])
-            else:
-                items = self.plan.work_items(self._segment_bytes, self.settings.order)
-            piped, rest = [], []
-            for i in items:
-                (piped if isinstance(i, Segment) and i.file in piped_files else rest).append(i)
-            self.stage_bytes = self._stage_bytes(rest, self.settings.chunk_bytes)
-            fds = open_files({i.file for i in rest})
-            self.fds = fds
-            if native:
-                self._native(native)
-            elif piped:
-                self._pipeline(piped)
-            run_workers(self.settings.threads, rest, self._worker)
-        finally:
-            if self._prepared is not None:  # never taken: the fill failed before it
-                self._prepared.release()
-                self._prepared = None
-            if self._early is not None:
-                self._early.release()
-            for fd in [*fds.values(), *self.direct_fds.values()]:
-                os.close(fd)
+            self.fds = open_files(self.files)
+        except BaseException:
+            self.close()
+            raise
+
+    def fill(self, plan: ReadPlan, views, report: Callable[[int], None]) -> None:
+        """One plan of an open session (its files among the session's)."""
+        outside = plan.files() - self.files
+        if outside:
+            raise CheckpointError(f"{sorted(outside)[0]}: not among the files this fill session opened")
+        self._bind(plan, views, report)
+        self._fill()
+
+    def _fill(self) -> None:
+        piped_files = {f for f in self.maps if self._pipelined(f)}
+        native = []  # the native loop packs its files' pieces into windows itself
+        if self._use_native:
+            native = [p for p in self.pieces if p.file in piped_files]
+            items = self.plan.work_items(self._segment_bytes, self.settings.order,
+                                         [p for p in self.pieces if p.file not in piped_files])
+        else:
+            items = self.plan.work_items(self._segment_bytes, self.settings.order)
+        piped, rest = [], []
+        for i in items:
+            (piped if isinstance(i, Segment) and i.file in piped_files else rest).append(i)
+        self.stage_bytes = self._stage_bytes(rest, self.settings.chunk_bytes)
+        if native:
+            self._native(native)
+        elif piped:
+            self._pipeline(piped)
+        run_workers(self.settings.threads, rest, self._worker)
+
+    def close(self) -> None:
+        if self._prepared is not None:  # never taken: the session failed before it
+            self._prepared.release()
+            self._prepared = None
+        if self._early is not None:
+            self._early.release()
+            self._early = None
+        if self._native_windows is not None:
+            unmap_later([self._native_windows])  # unlocking and unmapping: not on the fill's path
+            self._native_windows = None
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
+            os.close(fd)
+        self.fds, self.direct_fds = {}, {}
+        if not self._closed:  # the maps stay listed (how each file was read); unmapped once
+            self._closed = True
             unmap_later(list(self.maps.values()))
 
     # -- the windows (staged, stage_read="native" or "pipeline") --------------------------------------
@@ -265,26 +306,23 @@ class CudaFill:
         w, nwin = self.settings.window_bytes, self.settings.windows
         ctx = staging.context_handle(self.cu, self.arena, self.index)
         plan, ordered = self._native_plan(pieces)
-        early, self._early = self._early, None
-        windows = None
         try:
-            try:
-                windows = early.take() if early is not None else staging.make_windows(w * nwin, ctx)
-            except native_fill.NativeFillError as e:
-                size = f"{w * nwin >> 20} MiB" if w * nwin >= 1 << 20 else f"{w * nwin >> 10} KiB"
-                raise CheckpointError(f"cannot make the fill's {size} of page-locked staging windows: "
-                                      f"{self._native_error(e)}") from e
+            if self._native_windows is None:
+                early, self._early = self._early, None
+                try:
+                    self._native_windows = early.take() if early is not None else staging.make_windows(w * nwin, ctx)
+                except native_fill.NativeFillError as e:
+                    size = f"{w * nwin >> 20} MiB" if w * nwin >= 1 << 20 else f"{w * nwin >> 10} KiB"
+                    raise CheckpointError(f"cannot make the fill's {size} of page-locked staging windows: "
+                                          f"{self._native_error(e)}") from e
             with self._on_device():
                 stream = torch.cuda.Stream(device=self.device)
-                native_fill.run(plan, windows.base, w, nwin, self.settings.native_threads, self.settings.tile_bytes,
-                                self.report, ctx=ctx, stream=stream.cuda_stream)
+                native_fill.run(plan, self._native_windows.base, w, nwin, self.settings.native_threads,
+                                self.settings.tile_bytes, self.report, ctx=ctx, stream=stream.cuda_stream)
         except native_fill.NativeFillError as e:
             piece = ordered[e.piece] if 0 <= e.piece < len(ordered) else None
             where = f"{piece.file}: copy of tensor {piece.name!r}" if piece else "the fill"
             raise CheckpointError(f"{where} to the device failed: {self._native_error(e)}") from e
-        finally:
-            if windows is not None:
-                unmap_later([windows])  # unlocking and unmapping: not on the fill's path
 
     def _native_error(self, e: native_fill.NativeFillError) -> str:
         if e.code > 0:

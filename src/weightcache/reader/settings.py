@@ -14,6 +14,16 @@ STAGE_READS = ("native", "pipeline", "memcpy", "preadv")
 ORDERS = ("file", "interleave")
 MAX_NATIVE_THREADS = 12  # the native loop's workers at most, with 4 cores left to the driver and the rest
 MAX_THREADS = 16
+READER_ENV = "WEIGHTCACHE_READER"  # who reads for an engine's own loader: "weightcache" (default) or "engine"
+READERS = ("weightcache", "engine")
+
+
+def reader_choice(choice: str | None = None) -> str:
+    """Who reads the checkpoint for an engine's own loader: weightcache's reader or the engine itself."""
+    choice = choice or os.environ.get(READER_ENV) or "weightcache"
+    if choice not in READERS:
+        raise ValueError(f"reader must be one of {', '.join(READERS)}, got {choice!r} (${READER_ENV})")
+    return choice
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from ..manifest import TensorMeta
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FillSource(ABC):

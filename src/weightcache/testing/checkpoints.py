@@ -236,6 +236,7 @@ def make_llama_checkpoint(
     max_shard_bytes: int | None = None,
     direct: bool | None = None,
     head_dim: int | None = None,
+    sparse: bool = False,
 ) -> Path:
     """Write a random-weight Llama checkpoint plus tokenizer into ``path`` and return it.
 
@@ -243,7 +244,9 @@ def make_llama_checkpoint(
     ``head_dim`` defaults to ``hidden_size // num_heads`` but at least 32 (vLLM's CPU attention needs it),
     so the default tiny model has 4 heads of 32 (q_proj 128 x 64).
     ``direct`` (default: automatic, above 1 GiB) writes random tensors shard by shard instead of
-    instantiating ``LlamaForCausalLM``; both layouts load with ``from_pretrained`` and vLLM.
+    instantiating ``LlamaForCausalLM``; both layouts load with ``from_pretrained`` and vLLM. ``sparse`` writes
+    real headers over holes (every weight zero): a checkpoint of any size in no time and, on tmpfs, no memory
+    (for measuring memory at scale, not tokens).
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -263,13 +266,13 @@ def make_llama_checkpoint(
     total = estimate_llama_bytes(dtype=dtype, **shape_kwargs)
     if direct is None:
         direct = total > DIRECT_WRITE_BYTES
-    if direct:
+    if direct or sparse:
         from transformers import GenerationConfig
 
         config.save_pretrained(str(path))
         GenerationConfig.from_model_config(config).save_pretrained(str(path))
         shapes = llama_param_shapes(**shape_kwargs)
-        _write_random_shards(path, shapes, dtype, seed, max_shard_bytes or DEFAULT_SHARD_BYTES)
+        _write_random_shards(path, shapes, dtype, seed, max_shard_bytes or DEFAULT_SHARD_BYTES, sparse=sparse)
     else:
         _save_with_transformers(path, config, dtype, seed, max_shard_bytes)
     make_tokenizer(path, vocab_size)
@@ -448,7 +451,8 @@ def _random_chunks(pool: torch.Tensor, nbytes: int, gen: torch.Generator) -> Ite
 
 
 def _write_random_shards(
-    path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int, max_shard_bytes: int
+    path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int, max_shard_bytes: int,
+    sparse: bool = False,
 ) -> None:
     if dtype not in _DIRECT_DTYPES:
         raise ValueError(f"direct writing supports {sorted(str(d) for d in _DIRECT_DTYPES)}, got {dtype}")
@@ -479,6 +483,9 @@ def _write_random_shards(
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(hbytes)))
             f.write(hbytes)
+            if sparse:
+                f.truncate(8 + len(hbytes) + off)
+                names = []
             for name in names:
                 n = math.prod(shapes[name]) * esz
                 if name in norms:

@@ -25,6 +25,7 @@ import torch
 
 from ...client import attach
 from ...errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, PermissionDenied, WeightCacheError
+from ...integrity import IntegrityError
 from ...sockets import default_socket_dir, device_tag, find_socket, socket_path
 from ..model_state import (
     apply_deletions,
@@ -232,6 +233,7 @@ def from_pretrained(
     readonly: bool = True,
     wait: float = 600.0,
     timeout: float = 10.0,
+    verify: bool = False,
     revision: str | None = None,
     layout: str = "dp1-pp1-tp1",
     rank: int = 0,
@@ -249,6 +251,8 @@ def from_pretrained(
     ``fallback``: without a daemon for this checkpoint (none, another version, not ready within ``wait``
     seconds, failed) load from disk with a warning; ``fallback=False`` raises instead. ``mode="map"`` binds
     the daemon's memory zero-copy and read-only (an engine that writes weights needs ``mode="copy"``).
+    ``verify=True`` re-hashes the attached weights on ``device`` against the digests the daemon recorded at
+    load before binding them: a mismatch (IntegrityError, naming the tensors) loads from disk with ``fallback``.
     ``layout``/``rank``: a tensor parallel rank (``dp1-pp1-tp2``, rank = this process's torch.distributed
     rank) binds its shards into transformers' own tensor parallel model. The model keeps the attachment
     (``model._weightcache_attachment``); ``model._weightcache_source`` is "attach" or "disk";
@@ -279,14 +283,14 @@ def from_pretrained(
     problem: Exception | None = None
     try:
         sock = find_socket(sdir, key, tag)
-        att = attach(sock, expect=key, mode=mode, readonly=readonly, wait=wait, timeout=timeout)
+        att = attach(sock, expect=key, mode=mode, readonly=readonly, wait=wait, timeout=timeout, verify=verify)
     except DaemonUnavailable as e:
         problem = DaemonUnavailable(
             f"no weight cache daemon holds {model_dir} ({key.dtype}, {layout} rank {rank}) for {device}: tried "
             f"{wanted} ({e}); start one with `weightcache preload --model {model_dir} --dtype {key.dtype} "
             f"--weight-cache-socket-dir {sdir}`"
         )
-    except (KeyMismatch, DaemonNotReady, PermissionDenied) as e:
+    except (KeyMismatch, DaemonNotReady, PermissionDenied, IntegrityError) as e:
         problem = e
     if problem is not None:
         if not fallback:

@@ -12,6 +12,7 @@ same ``from_pretrained`` and binds them (``weightcache.integrations.transformers
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -23,8 +24,10 @@ from torch import nn
 
 from ...errors import WeightCacheError
 from ...key import CacheKey
+from ...reader.settings import ReadSettings, reader_choice
 from ...sources import Producer
 from .. import model_state
+from . import streamed
 from .compat import (
     META_FORMAT,
     META_NAME,
@@ -43,18 +46,48 @@ log = logging.getLogger("weightcache.integrations.transformers.producer")
 _MAX_LISTED = 8
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the checkpoint's weight files (what a load reads)."""
+    from ...digests import checkpoint_files
+
+    return sum(f.stat().st_size for f in checkpoint_files(path) if f.suffix == ".safetensors")
+
+
 class _Observe(LoadingSteps):
     """The daemon's side: transformers' own steps, with the model's Python state recorded just before the
-    checkpoint is read and just after loading is finalized (what the engine re-applies)."""
+    checkpoint is read and just after loading is finalized (what the engine re-applies). With ``read``
+    settings, the checkpoint's safetensors files are read by weightcache's reader, streamed to ``device``
+    (``streamed.py``); transformers' loading converts and places each tensor as it always does."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None, read: ReadSettings | None = None, report=None):
         self.before: dict | None = None
         self.after: dict | None = None
         self.conversions_used: list[int] = []
+        self.device, self.read, self.report = device, read, report
+        self.phases: dict[str, float] = {}
+        self.reread = 0
+        self._t0 = time.monotonic()
 
     def load(self, original, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        self.phases["construct"] = time.monotonic() - self._t0
+        t0 = time.monotonic()
         self.before = model_state.python_state(model, RULES)
-        out = original(model, state_dict, checkpoint_files, load_config, expected_keys)
+        stream = None
+        if self.read is not None and state_dict is None and checkpoint_files:
+            got = streamed.streamed_state_dict(checkpoint_files, self.device, self.read, self.report)
+            if got is not None:
+                state_dict, stream = got
+                checkpoint_files = None
+        try:
+            with streamed.no_allocator_warmup() if stream is not None else contextlib.nullcontext():
+                out = original(model, state_dict, checkpoint_files, load_config, expected_keys)
+        finally:
+            if stream is not None:
+                stream.close()
+                streamed.release_held()
+                self.reread = stream.reread
+        self.phases["load"] = time.monotonic() - t0
+        self._t1 = time.monotonic()
         # the conversions that matched the checkpoint, kept on the model for saving it again
         used = getattr(model, "_weight_conversions", None) or []
         self.conversions_used = [i for i, c in enumerate(load_config.weight_mapping or ())
@@ -64,17 +97,20 @@ class _Observe(LoadingSteps):
     def finalize(self, original, model, *args, **kwargs):
         info = original(model, *args, **kwargs)
         self.after = model_state.python_state(model, RULES)
+        self.phases["finalize"] = time.monotonic() - getattr(self, "_t1", self._t0)
         return info
 
 
 def build_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device, attn_implementation=None,
                 experts_implementation=None, trust_remote_code: bool = False, revision: str | None = None,
-                distributed_config=None) -> tuple[nn.Module, _Observe]:
+                distributed_config=None, read: ReadSettings | None = None, report=None
+                ) -> tuple[nn.Module, _Observe]:
     """The model ``AutoModelForCausalLM.from_pretrained`` builds, and the Python state it had before and
-    after its weights were loaded."""
+    after its weights were loaded. ``read``: read the checkpoint with weightcache's reader (else
+    transformers reads it itself); ``report(nbytes)``: bytes read so far."""
     from transformers import AutoModelForCausalLM
 
-    observe = _Observe()
+    observe = _Observe(device, read, report)
     kw = load_kwargs(dtype=dtype, device=device, attn_implementation=attn_implementation,
                      experts_implementation=experts_implementation, trust_remote_code=trust_remote_code,
                      revision=revision, distributed_config=distributed_config)
@@ -151,8 +187,9 @@ class TransformersSource(Producer):
                  attn_implementation: str | None = None, experts_implementation: str | None = None,
                  trust_remote_code: bool = False, enable_expert_parallel: bool = False,
                  master_addr: str = "127.0.0.1", master_port: int = 0, role: str = "main",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, reader: str | None = None):
         self.placement = placement
+        self.reader = reader_choice(reader)  # who reads the checkpoint: weightcache's reader or transformers
         self.path = Path(path)
         self.dtype = resolve_dtype(self.path, None if dtype in ("", "auto") else dtype)
         self.revision = revision
@@ -177,15 +214,27 @@ class TransformersSource(Producer):
             if p.tp_size > 1:
                 _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
                 dist_config = distributed_config_for(p, self.enable_expert_parallel)
+            t0 = time.monotonic()
+            import transformers.modeling_utils  # noqa: F401 - pre-imported while the daemon waited, or now
+
             began = time.monotonic()
+            daemon.phases["imports"] = began - t0
+            read = None
+            if self.reader == "weightcache":
+                read = ReadSettings.make(progress=p.local_index == 0)
+                daemon.begin_load(checkpoint_bytes(self.path))
             model, seen = build_model(self.path, dtype=self.dtype, device=self.device,
                                       attn_implementation=self.attn_implementation,
                                       experts_implementation=self.experts_implementation,
                                       trust_remote_code=self.trust_remote_code, revision=self.revision or None,
-                                      distributed_config=dist_config)
+                                      distributed_config=dist_config, read=read, report=daemon._progress)
+            daemon.phases.update(seen.phases)
             tensors, roles = capture(model, seen.before, seen.after, seen.conversions_used)
-            log.info("%s rank %d: %d tensors (%.1f MiB) from transformers' from_pretrained", self.role, p.rank,
-                     len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20)
+            log.info("%s rank %d: %d tensors (%.1f MiB) from transformers' from_pretrained (%s read the checkpoint"
+                     "%s)", self.role, p.rank, len(tensors),
+                     sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
+                     "weightcache's reader" if read is not None else "transformers",
+                     f"; {seen.reread} tensor(s) read twice" if seen.reread else "")
         except BaseException as e:
             daemon.fail(f"{type(e).__name__}: {e}")
             raise

@@ -15,32 +15,21 @@ from ...errors import WeightCacheError
 from ...key import CacheKey
 from .. import model_state
 from ..model_state import Rules, walkable_in
+from .quantization import (  # noqa: F401 (the producer and the loader import these from here)
+    REBUILT_ATTRIBUTES,
+    SCRATCH_ATTRIBUTES,
+    UnsupportedQuantization,
+    check_quantization,
+    kernel_choice,
+)
 
 ENGINE = "vllm"
 META_NAME = "__weightcache__.vllm"  # JSON side data (aliases, replaced parameters) as a uint8 tensor
 META_FORMAT = 1
 
-# On vLLM releases without a "weights already processed" mode (0.26): quantization methods whose post-load
-# state is tensors, host scalars and deletions (captured), plus the MoE kernels the engine rebuilds.
-ALLOWED_QUANT_METHODS = frozenset({
-    "UnquantizedLinearMethod",
-    "UnquantizedEmbeddingMethod",
-    "Fp8LinearMethod",
-    "Fp8PerTensorOnlineLinearMethod",
-    "BaseKVCacheMethod",
-    "Fp8KVCacheMethod",
-    "UnquantizedFusedMoEMethod",
-    "Fp8MoEMethod",
-    "Fp8PerTensorOnlineMoEMethod",
-})
-# Objects a quantization method makes from the processed weights; the engine rebuilds them from the bound
-# tensors (vLLM's pre-processed mode where it has one, see weightcache.integrations.vllm.compat), so they are not shipped.
-REBUILT_ATTRIBUTES = frozenset({"moe_kernel", "moe_quant_config", "cpu_fused_moe"})
 # Runtime state bound by the engine's model runner, not weights.
 SKIP_ATTRIBUTES = frozenset({"kv_cache"})
 _MAX_DEPTH = 3
-class UnsupportedQuantization(WeightCacheError, ValueError):
-    """A quantization method whose post-load state the cache cannot capture faithfully."""
 
 
 def local_checkpoint_dir(model_config) -> Path:
@@ -93,6 +82,7 @@ def cache_key(vllm_config, model_config, *, role: str, rank: int) -> CacheKey:
     extra = {
         "arch": ",".join(getattr(hf, "architectures", None) or []),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "kernels": kernel_choice(vllm_config),
     }
     return CacheKey(
         model=model_label(model_config),
@@ -134,32 +124,6 @@ def draft_vllm_config(vllm_config):
 def draft_prefix(vllm_config) -> str:
     spec = vllm_config.speculative_config
     return "draft_model" if spec is not None and spec.method == "draft_model" else ""
-
-
-def check_quantization(model: nn.Module) -> None:
-    """Refuse a model whose quantization methods' post-load state the cache cannot capture: where vLLM has
-    a pre-processed mode, each method's own ``supports_pre_processed_weights``; else ALLOWED_QUANT_METHODS."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    from .compat import has_pre_processed_mode
-
-    declared = has_pre_processed_mode()
-    bad: dict[str, list[str]] = {}
-    for name, module in model.named_modules():
-        qm = getattr(module, "quant_method", None)
-        if not isinstance(qm, QuantizeMethodBase):
-            continue
-        cls = type(qm).__name__
-        ok = getattr(qm, "supports_pre_processed_weights", False) if declared else cls in ALLOWED_QUANT_METHODS
-        if not ok:
-            bad.setdefault(cls, []).append(name or "<root>")
-    if bad:
-        lines = [f"  {cls}: {len(layers)} layer(s), e.g. {', '.join(layers[:3])}" for cls, layers in bad.items()]
-        supported = ("methods that declare supports_pre_processed_weights" if declared
-                     else ", ".join(sorted(ALLOWED_QUANT_METHODS)))
-        raise UnsupportedQuantization(
-            "weightcache cannot capture the post-load state of these quantization methods faithfully:\n"
-            + "\n".join(lines) + f"\nsupported: {supported}; load this model from disk instead")
 
 
 def _walkable(obj) -> bool:

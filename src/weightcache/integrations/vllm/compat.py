@@ -2,7 +2,8 @@
 
 - vLLM 0.32+ has a "weights already processed" mode: ``process_weights_after_loading`` then skips tensor
   transforms and only rebuilds kernel objects. Where it is missing (0.26), the MoE kernels are rebuilt the way
-  the methods' own ``_setup_kernel`` ends (``rebuild_kernels``).
+  each method's post-processing ends, and Machete's activation permutation from the attached ``g_idx``
+  (``rebuild_kernels``).
 - vLLM 0.33+ asks the model loader for the bytes it maps from outside (``get_external_weight_memory``) and
   takes them out of the ``--gpu-memory-utilization`` budget; 0.34 also tracks charges and disk fallbacks. Where
   the hook is missing, the GPU worker's budget function is wrapped to do the same
@@ -69,9 +70,9 @@ def has_external_memory_hook() -> bool:
 # ---- kernels the engine rebuilds ---------------------------------------------------------------------------
 
 
-def rebuild_kernels(layer) -> None:
-    """Make the kernel objects a layer's quantization method built from its processed weights, from the
-    weights now bound to the layer (no tensor is transformed)."""
+def rebuild_kernels(layer, owner=None) -> None:
+    """Make the objects a layer's quantization method (``owner``: it, or a linear kernel it holds) built from its
+    processed weights, from the weights now bound to the layer; no tensor is transformed."""
     qm = layer.quant_method
     if has_pre_processed_mode():
         from vllm.model_executor.utils import weights_already_processed
@@ -79,31 +80,84 @@ def rebuild_kernels(layer) -> None:
         with weights_already_processed():
             qm.process_weights_after_loading(layer)
         return
+    owner = qm if owner is None else owner
+    if owner is not qm:
+        _rebuild_linear_kernel(layer, owner)
+        return
+    _rebuild_moe_kernel(layer, qm)
+
+
+def _rebuild_linear_kernel(layer, kernel) -> None:
+    """Machete with activation order (vLLM 0.26 ``MacheteLinearKernel.process_weights_after_loading``): the
+    activations are permuted by argsort(g_idx) through a closure; g_idx itself is attached untransformed."""
+    import torch
+
+    c = getattr(kernel, "config", None)
+    gidx_name = getattr(kernel, "w_gidx_name", None)
+    if not (getattr(c, "has_g_idx", False) and gidx_name and getattr(layer, gidx_name, None) is not None):
+        _cannot_rebuild(kernel)
+    from vllm import _custom_ops as ops
+
+    perm = torch.argsort(getattr(layer, gidx_name)).to(torch.int)
+    kernel.act_perm = lambda x: x[:, perm]
+    permute_cols = getattr(ops, "permute_cols", None)  # a CUDA op: absent where Machete cannot run anyway
+    if permute_cols is not None and c.act_type in (torch.float16, torch.bfloat16) and \
+            c.partition_weight_shape[0] % 8 == 0:
+        kernel.act_perm = functools.partial(permute_cols, perm=perm)
+
+
+def _rebuild_moe_kernel(layer, qm) -> None:
+    """The MoE kernels, the way each method's post-processing ends on vLLM 0.26 (after its tensor transforms)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from ...errors import WeightCacheError
-
     routing = layer._expert_routing_tables() if hasattr(layer, "_expert_routing_tables") else None
-    if isinstance(qm, UnquantizedFusedMoEMethod) and getattr(qm, "experts_cls", None) is not None:
+    experts_cls = getattr(qm, "experts_cls", None)
+    if isinstance(qm, UnquantizedFusedMoEMethod) and experts_cls is not None:
         from vllm.model_executor.layers.fused_moe.oracle.unquantized import make_unquantized_moe_kernel
 
         qm.moe_quant_config = qm.get_fused_moe_quant_config(layer)
         qm.moe_kernel = make_unquantized_moe_kernel(
             quant_config=qm.moe_quant_config, moe_config=qm.moe, backend=qm.unquantized_backend,
-            experts_cls=qm.experts_cls, routing_tables=routing)
-        return
-    if getattr(qm, "fp8_backend", None) is not None and getattr(qm, "experts_cls", None) is not None:
+            experts_cls=experts_cls, routing_tables=routing)
+    elif getattr(qm, "fp8_backend", None) is not None and experts_cls is not None:  # FP8, CT FP8, ModelOpt FP8
         from vllm.model_executor.layers.fused_moe.oracle.fp8 import make_fp8_moe_kernel
 
         qm.moe_quant_config = qm.get_fused_moe_quant_config(layer)
         if qm.moe_quant_config:
             qm.moe_kernel = make_fp8_moe_kernel(
                 moe_quant_config=qm.moe_quant_config, moe_config=qm.moe, fp8_backend=qm.fp8_backend,
-                experts_cls=qm.experts_cls, routing_tables=routing, layer=layer)
-        return
-    raise WeightCacheError(f"{type(qm).__name__}: this vLLM has no pre-processed weights mode and weightcache "
-                           "cannot rebuild this method's kernels; load this model from disk instead")
+                experts_cls=experts_cls, routing_tables=routing, layer=layer)
+    elif getattr(qm, "wna16_moe_backend", None) is not None and callable(getattr(qm, "_setup_kernel", None)):
+        qm._setup_kernel(layer)  # GPTQ / AWQ MoE: builds the kernel from the layer's processed tensors only
+    elif getattr(qm, "wna16_backend", None) is not None and experts_cls is not None:  # compressed-tensors WNA16
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (
+            WNA16MoEBackend,
+            make_wna16_moe_kernel,
+        )
 
+        qm.moe_quant_config = qm.get_fused_moe_quant_config(layer)
+        marlin_args = {} if qm.wna16_backend == WNA16MoEBackend.FLASHINFER_TRTLLM else {
+            "w13_g_idx": layer.w13_weight_g_idx, "w2_g_idx": layer.w2_weight_g_idx,
+            "w13_g_idx_sort_indices": layer.w13_g_idx_sort_indices,
+            "w2_g_idx_sort_indices": layer.w2_g_idx_sort_indices, "is_k_full": qm.is_k_full}
+        qm.moe_kernel = make_wna16_moe_kernel(moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
+                                              experts_cls=experts_cls, routing_tables=routing, **marlin_args)
+    elif getattr(qm, "int8_backend", None) is not None and experts_cls is not None:  # compressed-tensors INT8
+        from vllm.model_executor.layers.fused_moe.oracle.int8 import make_int8_moe_kernel
+
+        qm.moe_quant_config = qm.get_fused_moe_quant_config(layer)
+        qm.moe_kernel = make_int8_moe_kernel(
+            int8_backend=qm.int8_backend, moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
+            experts_cls=experts_cls, routing_tables=routing, layer=layer)
+    else:
+        _cannot_rebuild(qm)
+
+
+def _cannot_rebuild(obj) -> None:
+    from ...errors import WeightCacheError
+
+    raise WeightCacheError(f"{type(obj).__name__}: this vLLM has no pre-processed weights mode and weightcache "
+                           "cannot rebuild this method's kernels; load this model from disk instead")
 
 
 # ---- the memory budget on releases without the loader hook ------------------------------------------------

@@ -3,8 +3,10 @@
 The model is built on the meta device (no checkpoint read); the daemon's tensors are bound in place of
 every parameter, buffer and tensor attribute (parameters keep their class and attributes, e.g.
 ``weight_loader``), the host-side scalars its loading set are set, and what it deleted is deleted. Weight
-post-processing is not run again. The one thing made here is what cannot cross a process: on vLLM's CPU
-backend, the GEMM kernel handles made from each unquantized weight (as vLLM's post-processing makes them).
+post-processing is not run again. What is made here cannot cross a process: the kernel objects post-processing
+built from the processed weights (MoE kernels, Machete's activation permutation; no tensor is transformed),
+private copies of the scratch tensors kernels write (Marlin's workspace), and on vLLM's CPU backend the GEMM
+kernel handles made from each unquantized weight (as vLLM's post-processing makes them).
 
 Options (``--model-loader-extra-config '{...}'``):
 
@@ -14,6 +16,9 @@ Options (``--model-loader-extra-config '{...}'``):
 - ``fallback``: ``true`` to load from disk with a warning when no daemon serves this key (default ``false``:
   fail with a message naming the socket tried)
 - ``wait``: seconds to wait while the daemon reports ``loading`` (default 600)
+- ``verify``: ``true`` to re-hash the attached weights on this device against the digests the daemon recorded
+  at load before binding them; a mismatch fails the load naming the tensors, or with ``fallback`` loads from
+  disk (default ``false``)
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...errors import DaemonNotReady, DaemonUnavailable, KeyMismatch, WeightCacheError
+from ...integrity import IntegrityError
 from .. import model_state
 from ..model_state import apply_deletions, apply_scalars, bind_captured
 
@@ -39,7 +45,7 @@ log = logging.getLogger("vllm.weightcache")
 
 LOAD_FORMAT = "weightcache"
 DEFAULT_WAIT_S = 600.0
-_OPTIONS = ("socket_dir", "mode", "fallback", "wait")
+_OPTIONS = ("socket_dir", "mode", "fallback", "wait", "verify")
 
 
 def _parse_bool(name: str, value) -> bool:
@@ -56,6 +62,7 @@ class Options:
     mode: str = "map"
     fallback: bool = False
     wait: float = DEFAULT_WAIT_S
+    verify: bool = False
 
     @classmethod
     def parse(cls, extra: dict | None) -> Options:
@@ -75,7 +82,8 @@ class Options:
             raise ValueError(f"weightcache option 'wait' must be >= 0, got {wait}")
         socket_dir = extra.get("socket_dir")
         return cls(socket_dir=str(socket_dir) if socket_dir else None, mode=mode,
-                   fallback=_parse_bool("fallback", extra.get("fallback", False)), wait=wait)
+                   fallback=_parse_bool("fallback", extra.get("fallback", False)), wait=wait,
+                   verify=_parse_bool("verify", extra.get("verify", False)))
 
 
 # ---- which daemon ----------------------------------------------------------------------------------------------
@@ -106,26 +114,61 @@ def target_device(vllm_config: VllmConfig, load_config: LoadConfig) -> torch.dev
 
 
 def bind_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], roles: dict[str, str], meta: dict) -> int:
-    """Bind attached tensors into a model built on the meta device; returns how many names were bound."""
+    """Bind attached tensors into a model built on the meta device; returns how many names were bound. Scratch
+    tensors that kernels write while running (``SCRATCH_ATTRIBUTES``, e.g. Marlin's workspace) are bound as this
+    engine's own copies: the attached ones are shared and read-only."""
     from .common import META_NAME
 
-    return len(bind_captured(model, tensors, roles, meta, skip=frozenset({META_NAME})))
+    return len(bind_captured(model, private_scratch(tensors, meta), roles, meta, skip=frozenset({META_NAME})))
+
+
+def private_scratch(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """``tensors`` with every scratch tensor (one named so, or aliased under such a name) replaced by a copy."""
+    from .common import SCRATCH_ATTRIBUTES
+
+    def scratch(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in SCRATCH_ATTRIBUTES
+
+    names = {n for n in tensors if scratch(n)}
+    names |= {canonical for alias, canonical in meta.get("aliases", {}).items() if scratch(alias)}
+    return {n: (t.clone() if n in names else t) for n, t in tensors.items()}
 
 
 def rebuild_kernels(model: nn.Module, owners) -> int:
-    """Rebuild the kernel objects the daemon's post-processing made from the processed weights (MoE
-    kernels), for each recorded owner (a layer's quantization method), from the weights just bound."""
+    """Rebuild the objects the daemon's post-processing made from the processed weights (MoE kernels, Machete's
+    activation permutation), for each recorded owner (a layer's quantization method, or a linear kernel it or
+    the layer's scheme holds), from the weights just bound. Returns how many layers were rebuilt."""
+    from .compat import has_pre_processed_mode
     from .compat import rebuild_kernels as rebuild
 
     modules = dict(model.named_modules(remove_duplicate=False))
+    done: set[str] = set()
     for owner in owners:
-        name = owner.removesuffix(".quant_method") if owner != "quant_method" else ""
+        layer_name, obj = _owner(model, modules, owner)
+        if has_pre_processed_mode() and layer_name in done:
+            continue  # vLLM's pre-processed mode rebuilds a whole layer at once
+        rebuild(modules[layer_name], obj)
+        done.add(layer_name)
+    return len(done)
+
+
+def _owner(model: nn.Module, modules: dict, owner: str) -> tuple[str, object]:
+    """(the layer holding ``owner``, the object at ``owner``): the longest module path that has a quantization
+    method (which may itself be a module), then plain attributes."""
+    parts = owner.split(".") if owner else []
+    for cut in range(len(parts) - 1, -1, -1):
+        name = ".".join(parts[:cut])
         layer = modules.get(name)
         if layer is None or getattr(layer, "quant_method", None) is None:
-            raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
-                                   "the daemon was built for another configuration")
-        rebuild(layer)
-    return len(owners)
+            continue
+        obj = layer
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return name, obj
+        break
+    raise WeightCacheError(f"the cache says {owner} built kernels, but the model has no such layer: "
+                           "the daemon was built for another configuration")
 
 
 def bind_cpu_kernels(model: nn.Module) -> int:
@@ -307,19 +350,23 @@ class WeightCacheModelLoader(BaseModelLoader):
         role = "draft" if is_draft_load(vllm_config, model_config) else "main"
         t0 = time.perf_counter()
         path = None
+        spent = self.spent = {}
         try:
-            key = self._key(vllm_config, model_config)
-            path = self._find(key, device)
+            with _timed(spent, "key"):
+                key = self._key(vllm_config, model_config)
+                path = self._find(key, device)
             log.info("attaching the %s model (rank %d) from %s", role, key.rank, path)
             try:
-                att = attach(path, expect=key, mode=self.options.mode)  # the key is checked even while loading
+                with _timed(spent, "attach"):
+                    att = attach(path, expect=key, mode=self.options.mode,  # the key is checked while loading too
+                                 verify=self.options.verify)
             except DaemonNotReady as e:
                 if e.state != "loading":
                     raise
                 log.info("the weight cache at %s is loading; waiting up to %.0f s", path, self.options.wait)
                 wait_ready(path, self.options.wait, on_progress=_log_progress(path))
-                att = attach(path, expect=key, mode=self.options.mode)
-        except (DaemonUnavailable, KeyMismatch, DaemonNotReady) as e:
+                att = attach(path, expect=key, mode=self.options.mode, verify=self.options.verify)
+        except (DaemonUnavailable, KeyMismatch, DaemonNotReady, IntegrityError) as e:
             if not self.options.fallback:
                 raise
             log.warning("weight cache unusable for the %s model, loading it from disk (fallback=true): %s",
@@ -330,8 +377,9 @@ class WeightCacheModelLoader(BaseModelLoader):
                 record_fallback(str(path), role == "draft")
             return self._disk_load(vllm_config, model_config, prefix)
         model = self._build(vllm_config, model_config, prefix, att, device)
-        log.info("attached %d tensors (%.2f GiB, mode=%s) for the %s model in %.2f s", len(att),
-                 att.nbytes / 2**30, self.options.mode, role, time.perf_counter() - t0)
+        log.info("attached %d tensors (%.2f GiB, mode=%s) for the %s model in %.3f s (%s)", len(att),
+                 att.nbytes / 2**30, self.options.mode, role, time.perf_counter() - t0,
+                 ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in spent.items()))
         return model
 
     def _disk_load(self, vllm_config, model_config, prefix):
@@ -347,16 +395,19 @@ class WeightCacheModelLoader(BaseModelLoader):
 
         from .common import check_quantization, read_meta
 
+        spent = getattr(self, "spent", {})
         meta = read_meta(att)
-        with set_default_torch_dtype(model_config.dtype):
+        with _timed(spent, "skeleton"), set_default_torch_dtype(model_config.dtype):
             model = _skeleton(lambda: initialize_model(vllm_config=vllm_config, model_config=model_config,
                                                        prefix=prefix), device,
                               vllm_config.compilation_config.static_forward_context)
-        check_quantization(model)
-        apply_deletions(model, meta.get("deleted", ()))
-        bind_tensors(model, dict(att.tensors), att.roles, meta)
-        apply_scalars(model, meta.get("scalars", {}))
-        rebuild_kernels(model, meta.get("rebuild", ()))
+        with _timed(spent, "bind"):
+            check_quantization(model)
+            apply_deletions(model, meta.get("deleted", ()))
+            bind_tensors(model, dict(att.tensors), att.roles, meta)
+            apply_scalars(model, meta.get("scalars", {}))
+        with _timed(spent, "kernels"):
+            rebuild_kernels(model, meta.get("rebuild", ()))
         missing = leftover_meta(model, device)
         if missing:
             raise WeightCacheError(
@@ -371,6 +422,15 @@ class WeightCacheModelLoader(BaseModelLoader):
             get_layerwise_info(module).restore_device = device
         model.__dict__["_weightcache_attachment"] = att  # keeps the daemon connection (and count) open
         return model.eval()
+
+
+@contextlib.contextmanager
+def _timed(spent: dict, what: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent[what] = spent.get(what, 0.0) + time.perf_counter() - t
 
 
 def _diffs(expected, actual):

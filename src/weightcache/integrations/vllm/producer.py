@@ -26,8 +26,10 @@ from torch import nn
 
 from ...errors import WeightCacheError
 from ...key import CacheKey
+from ...reader.settings import ReadSettings, reader_choice
 from ...sources import Producer
 from .. import model_state
+from . import streamed
 from .common import (
     META_FORMAT,
     META_NAME,
@@ -43,8 +45,9 @@ from .common import (
 
 log = logging.getLogger("weightcache.integrations.vllm.producer")
 
-_ORIGINAL = "_weightcache_original"  # marks parameters that existed before post-processing
+_ORIGINAL = "_weightcache_original"  # marks parameters that existed before post-processing: (dtype, shape)
 _MAX_LISTED = 8
+STREAMED_FORMATS = ("auto", "safetensors", "hf")  # load formats whose safetensors files our reader reads
 
 
 # ---- identity ------------------------------------------------------------------------------------------------
@@ -65,7 +68,8 @@ def capture(model: nn.Module, before: dict | None = None) -> tuple[dict[str, tor
         log.warning("not caching %d meta tensor(s) the loader left unset, e.g. %s", len(skipped),
                     ", ".join(skipped[:_MAX_LISTED]))
     replaced = sorted(n for n, r in roles.items()
-                      if r == "parameter" and not tensors[n].__dict__.pop(_ORIGINAL, False))
+                      if r == "parameter" and tensors[n].__dict__.pop(_ORIGINAL, None)
+                      != (tensors[n].dtype, tuple(tensors[n].shape)))
     scalars, deleted, created, rebuilt = (state_changes(before, python_state(model)) if before is not None
                                           else ({}, [], [], []))
     if created:
@@ -119,13 +123,15 @@ def _accelerator_calls_without_accelerator():
             setattr(acc, name, fn)
 
 
-def build_model(vllm_config, model_config, *, prefix: str = "") -> tuple[nn.Module, dict]:
+def build_model(vllm_config, model_config, *, prefix: str = "", read: ReadSettings | None = None, report=None,
+                phases: dict | None = None) -> tuple[nn.Module, dict]:
     """The rank's model as vLLM's loader makes it (needs vLLM's distributed state and current config),
     and the snapshot of its Python state as constructed (see ``capture``).
 
     The loader's own ``load_model`` runs unchanged (construction, online quantization, layerwise and
     final post-processing as this vLLM release does them); its ``load_weights`` is wrapped to check the
-    quantization methods and snapshot the model between construction and loading."""
+    quantization methods and snapshot the model between construction and loading. With ``read``, the
+    safetensors files its default loader picks are read by weightcache's reader (``streamed.py``)."""
     from vllm.model_executor.model_loader import get_model_loader
 
     load_config = vllm_config.load_config
@@ -142,18 +148,29 @@ def build_model(vllm_config, model_config, *, prefix: str = "") -> tuple[nn.Modu
         log.debug("workspace manager: %s", e)
     seen: dict = {}
     load_weights = loader.load_weights
+    phases = {} if phases is None else phases
+    t0 = time.monotonic()
 
     def snapshot_then_load(model: nn.Module, mc) -> None:
+        phases["construct"] = time.monotonic() - t0
         check_quantization(model)
         for p in model.parameters():
-            p.__dict__[_ORIGINAL] = True
+            p.__dict__[_ORIGINAL] = (p.dtype, tuple(p.shape))  # one reshaped in place counts as replaced
         seen["before"] = python_state(model)
         seen["marked"] = _defer_cpu_gemm_dispatch(model)
+        t1 = time.monotonic()
         load_weights(model, mc)
+        seen["loaded"] = time.monotonic()
+        phases["load"] = seen["loaded"] - t1
 
     loader.load_weights = snapshot_then_load
-    with _accelerator_calls_without_accelerator():
+    reading = contextlib.nullcontext()
+    if read is not None and load_config.load_format in STREAMED_FORMATS:
+        reading = streamed.read_with_weightcache(device, read, report, seen)
+    with _accelerator_calls_without_accelerator(), reading:
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    if "loaded" in seen:
+        phases["post-process"] = time.monotonic() - seen["loaded"]
     if "before" not in seen:
         raise WeightCacheError(f"{type(loader).__name__}.load_model did not call load_weights: this loader "
                                "cannot be captured by weightcache")
@@ -188,8 +205,9 @@ class VllmSource(Producer):
     """One rank of one role, built in the daemon process. ``produce(daemon)`` builds, packs, frees."""
 
     def __init__(self, placement, *, vllm_config, role: str, master_addr: str, master_port: int,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, reader: str | None = None):
         self.placement = placement
+        self.reader = reader_choice(reader)  # who reads the checkpoint: weightcache's reader or vLLM
         self.vllm_config = vllm_config
         self.role = role
         self.master_addr = master_addr
@@ -230,11 +248,16 @@ class VllmSource(Producer):
                 ensure_model_parallel_initialized(cfg.parallel_config.tensor_parallel_size,
                                                   cfg.parallel_config.pipeline_parallel_size)
                 began = time.monotonic()
-                model, before = build_model(cfg, model_config, prefix=prefix)
+                read = ReadSettings.make(progress=p.local_index == 0) if self.reader == "weightcache" else None
+                model, before = build_model(cfg, model_config, prefix=prefix, read=read, report=daemon._progress,
+                                            phases=daemon.phases)
             tensors, roles = capture(model, before)
             del before
-            log.info("%s rank %d: %d tensors (%.1f MiB) from vLLM's loader", self.role, p.rank, len(tensors),
-                     sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20)
+            if p.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # post-processing's transients must not sit under the first arena block
+            log.info("%s rank %d: %d tensors (%.1f MiB) from vLLM's loader (%s read the checkpoint)", self.role,
+                     p.rank, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
+                     "weightcache's reader" if read is not None else "vLLM")
         except BaseException as e:
             daemon.fail(f"{type(e).__name__}: {e}")
             raise

@@ -1,4 +1,4 @@
-/* The staged fill's copy loop in native threads (weightcache.sources.native_fill builds and loads it).
+/* The staged fill's copy loop in native threads (weightcache.reader.native_fill builds and loads it).
  *
  * The pieces (source address, destination address, bytes, file; in file order) are packed into loads of at
  * most one window: a load is a run of one file's bytes that holds whole pieces or parts of them, cut where

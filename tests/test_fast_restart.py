@@ -1,0 +1,147 @@
+"""`weightcache preload` run again as it ran before comes back from its record without the engine: same
+arguments, unchanged files, every cache held. The supervisor and its daemons import neither torch, nor
+transformers, nor vLLM, and serve the same bytes; anything else takes the full path."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DEVICES
+from procs import block_digests
+from test_restart import sigkill_all
+from test_supervisor import SMALL, Preload, gone, stop_custodian
+from weightcache.custodian.client import CustodianClient
+from weightcache.preload import record
+from weightcache.testing.checkpoints import make_llama_checkpoint
+
+pytestmark = pytest.mark.slow
+ENGINES = ("torch", "transformers", "vllm")
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return make_llama_checkpoint(tmp_path / "m", seed=5, **SMALL)
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WEIGHTCACHE_DUMP_MODULES=str(tmp_path / "mods"))
+    e.pop("XDG_RUNTIME_DIR", None)
+    e.pop("WEIGHTCACHE_NO_FAST_RESTART", None)
+    (tmp_path / "mods").mkdir()
+    return e
+
+
+@pytest.fixture
+def started(tmp_path):
+    out: list[Preload] = []
+    yield out
+    for p in out:
+        p.kill()
+        gone(p.descendants(), 5)
+    stop_custodian(tmp_path / "s")
+
+
+def _held_by_nobody(sdir, n) -> None:
+    client = CustodianClient.connect(sdir)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            held = client.holdings().holdings
+            if len(held) == n and not any(h.served_by for h in held):
+                return
+            assert time.monotonic() < deadline, held
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _imported(mods: Path) -> dict[str, set[str]]:
+    return {f.stem: set(f.read_text().split()) for f in mods.glob("*.modules")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, started, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    sdir, mods = tmp_path / "s", tmp_path / "mods"
+    args = [ckpt, "-tp", n, "--device", device, "--weight-cache-socket-dir", sdir]
+    first = Preload(args, env, tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    assert {"torch", "transformers"} <= _imported(mods)["main-r0"], "the first start loads with the engine"
+    recs = list(sdir.glob(f"{record.PREFIX}*.json"))
+    assert len(recs) == 1
+    socks = sorted(str(p) for p in sdir.glob("*.sock"))
+    served = {s: block_digests(s) for s in socks}
+    sigkill_all(first)
+    _held_by_nobody(sdir, n)
+    for f in mods.glob("*"):
+        f.unlink()
+
+    t0 = time.monotonic()
+    again = Preload(args, env, tmp_path, "p2")
+    started.append(again)
+    again.wait_ready()
+    took = time.monotonic() - t0
+    assert "restarting from preload-" in again.stderr, again.stderr
+    imported = _imported(mods)
+    assert set(imported) == {"supervisor", *(f"main-r{r}" for r in range(n))}
+    for who, names in imported.items():
+        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    assert {s: block_digests(s) for s in socks} == served
+    print(f"READY {took:.2f} s after the restart began ({device}, {n} rank(s))")
+    sigkill_all(again)
+    _held_by_nobody(sdir, n)
+
+    # the record names keys the custodian does not hold: the daemons find nothing, the start runs in full
+    raw = json.loads(recs[0].read_text())
+    for r in raw["groups"][0]["ranks"]:
+        r["key"]["revision"] = "other"
+    recs[0].write_text(json.dumps(raw))
+    for f in mods.glob("*"):
+        f.unlink()
+    third = Preload(args, env, tmp_path, "p3")
+    started.append(third)
+    third.wait_ready()
+    assert "starting again in full" in third.stderr, third.stderr
+    assert "transformers" in _imported(mods)[f"main-r{n - 1}"]
+    sigkill_all(third)
+    _held_by_nobody(sdir, n)
+
+    # a changed checkpoint file (its mtime put back: ctime still tells): the full path, a fresh load
+    cfg = Path(ckpt) / "config.json"
+    st = os.stat(cfg)
+    cfg.write_text(cfg.read_text())
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fourth = Preload(args, env, tmp_path, "p4")
+    started.append(fourth)
+    fourth.wait_ready()
+    assert "restarting from preload-" not in fourth.stderr
+    assert "changed since this preload last ran" in fourth.stderr, fourth.stderr
+
+
+def test_other_arguments_take_the_full_path(ckpt, env, tmp_path, started):
+    sdir = tmp_path / "s"
+    args = [ckpt, "--device", "cpu", "--weight-cache-socket-dir", sdir]
+    first = Preload(args, env, tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    sigkill_all(first)
+    _held_by_nobody(sdir, 1)
+    other = Preload([*args, "--dtype", "float32"], env, tmp_path, "p2")
+    started.append(other)
+    other.wait_ready()
+    assert "restarting from preload-" not in other.stderr
+    env2 = dict(env, WEIGHTCACHE_LOAD_IO="mmap")  # another relevant environment: another record
+    assert record.record_id([str(a) for a in args], environ=env2) != record.record_id([str(a) for a in args],
+                                                                                     environ=env)
