@@ -260,7 +260,7 @@ def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_
     client.close()
 
 
-def test_bad_file_is_refused_before_any_rank_starts(ckpts, env, tmp_path, preloads):
+def test_bad_file_fails_every_rank(ckpts, env, tmp_path, preloads):
     bad = tmp_path / "bad"
     shutil.copytree(ckpts["a"], bad)
     f = bad / "model.safetensors"
@@ -271,9 +271,14 @@ def test_bad_file_is_refused_before_any_rank_starts(ckpts, env, tmp_path, preloa
     preloads.append(p)
     rc = p.wait(120)
     err = p.stderr
-    assert rc == 2, err  # the front end reads every header before a daemon starts (daemons failing: the OOM test)
-    assert err.startswith("weightcache preload: error: main model: ") and str(f) in err and "truncated" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, "one line says what is wrong"
+    assert rc == 1, err
+    # Both ranks read the bad file; whichever fails first stops the other (both when they fail together).
+    m = re.search(r"node 0/1: ([12]) of 2 daemon\(s\) failed during start-up \(rank ([01](?:,1)?)\)", err)
+    assert m, err
+    for rank in m.group(2).split(","):
+        assert f"rank {rank} (main, cpu) exited with code 1: CheckpointError" in err
+    assert "truncated" in err
+    assert "Traceback" not in err, "the daemons say what is wrong in one line"
     assert not p.out, "no READY line"
     assert gone(p.descendants()) == [] and sockets(sdir) == []
 
@@ -290,8 +295,9 @@ def test_missing_tensor_fails_clearly(ckpts, env, tmp_path, preloads):
     preloads.append(p)
     rc = p.wait(120)
     err = p.stderr
-    assert rc == 2, err  # refused before any daemon starts
-    assert "model.layers.0.mlp.extra_proj.weight" in err and "lacks it" in err and "Traceback" not in err
+    assert rc == 1, err
+    assert "1 of 1 daemon(s) failed during start-up (rank 0)" in err
+    assert "model.layers.0.mlp.extra_proj.weight" in err and "lacks it" in err
     assert sockets(sdir) == []
 
 

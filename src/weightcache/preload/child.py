@@ -253,7 +253,13 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         if daemon is not None:
             daemon.close()
     # Skip interpreter finalization: with torch loaded it can hang in garbage collection at exit, and
-    # nothing is left to clean up (socket removed, memory returns to the kernel).
+    # nothing is left to clean up (socket removed, memory returns to the kernel) but multiprocessing's
+    # semaphores (tqdm's lock, under transformers' progress bars): unlinked here, or the preload's resource
+    # tracker warns of a leaked semaphore when it ends.
+    with contextlib.suppress(Exception):
+        from multiprocessing import util
+
+        util._run_finalizers(0)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

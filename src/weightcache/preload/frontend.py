@@ -236,31 +236,22 @@ TORCH_WEIGHTS = (".bin", ".pt", ".pth")  # what transformers also reads, besides
 
 
 def _check_weights(role: str, path: str, engine: str) -> None:
-    """The weight files by their headers alone (no tensor is read): a format the engine reads, and safetensors
-    headers that parse, with dtypes this torch has, non-negative shapes and tensors that do not overlap.
-    Refused here, in one line, before any daemon starts."""
-    from ..reader.header import checkpoint_entries, read_header
-    from ..reader.reading import CheckpointError
-
+    """A directory must hold weights in a format the engine reads (GGUF alone is refused with a hint), told by
+    the file names only: no weight file is opened here (a preload that takes its caches from the custodian
+    reads none). What is inside them is the daemons' to check, each failure in one line."""
     p = Path(path)
+    if not p.is_dir():
+        return
     try:
-        if p.is_dir():
-            found = sorted({f.suffix for f in p.iterdir() if f.suffix in (".safetensors", *TORCH_WEIGHTS, ".gguf")})
-            readable = {".safetensors"} if engine == "safetensors" else {".safetensors", *TORCH_WEIGHTS}
-            if not readable & set(found):
-                raise UsageError(f"{role} model {path}: no weights --engine {engine} reads (it reads "
-                                 f"{', '.join('*' + x for x in sorted(readable))}; found "
-                                 f"{', '.join('*' + x for x in found) or 'none'})"
-                                 + ("; convert the GGUF file to safetensors" if ".gguf" in found else ""))
-        if engine == "safetensors":
-            checkpoint_entries(p)  # the files and index the daemons will read
-        elif p.is_dir():
-            for f in sorted(p.glob("*.safetensors")):
-                read_header(f)
-    except CheckpointError as e:
-        raise UsageError(f"{role} model: {e}") from None
+        found = sorted({f.suffix for f in p.iterdir() if f.suffix in (".safetensors", *TORCH_WEIGHTS, ".gguf")})
     except OSError as e:
         raise UsageError(f"{role} model {path}: {e}") from None
+    readable = {".safetensors"} if engine == "safetensors" else {".safetensors", *TORCH_WEIGHTS}
+    if not readable & set(found):
+        raise UsageError(f"{role} model {path}: no weights --engine {engine} reads (it reads "
+                         f"{', '.join('*' + x for x in sorted(readable))}; found "
+                         f"{', '.join('*' + x for x in found) or 'none'})"
+                         + ("; convert the GGUF file to safetensors" if ".gguf" in found else ""))
 
 
 def _check_local_ranks(device: str, layouts) -> None:
