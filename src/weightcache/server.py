@@ -92,8 +92,8 @@ class UnixServer:
             return
         self.status_reserve = min(self.status_reserve, room // 2)
         self.max_clients = room - self.status_reserve
-        log.info("%s: %d of %d descriptors are in use: at most %d connections (+%d for status)", self.what, used,
-                 soft, self.max_clients, self.status_reserve)
+        log.warning("%s: %d of its %d descriptors are in use: at most %d connections (+%d for status); raise "
+                    "ulimit -n for more", self.what, used, soft, self.max_clients, self.status_reserve)
 
     def _refuse_with_spare(self, listener: socket.socket) -> bool:
         """Out of descriptors: free the spare one, accept the next waiting client and tell it "busy" (rather
