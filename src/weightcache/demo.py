@@ -455,10 +455,12 @@ def _demo(a) -> int:
         except OSError as e:
             raise DemoError(f"--workdir {a.workdir}: {e.strerror or e}") from None
     else:
+        _check_room(Path(tempfile.gettempdir()), device, size_mb, a.engines, file_dtype)
         work = Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     socket_dir = None
     try:
-        _check_room(work, device, size_mb, a.engines, file_dtype)
+        if a.workdir is not None:
+            _check_room(work, device, size_mb, a.engines, file_dtype)
         socket_dir = Path(tempfile.mkdtemp(prefix="wcd", dir="/tmp"))
         model_dir = work / f"llama-random-{size_mb}mb"
         console.print(f"[bold]weightcache demo[/] on [cyan]{device}[/]: random Llama checkpoint of ~{size_mb} MB "
