@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 import load  # noqa: E402
-from weightcache.reader import cuda_fill  # noqa: E402
+from weightcache.reader import cuda_fill, windows  # noqa: E402
 from weightcache.sources.safetensors import SafetensorsSource  # noqa: E402
 
 spent: dict[str, float] = collections.defaultdict(float)
@@ -55,6 +55,7 @@ def _instrument() -> None:
     cuda_fill.CudaFill._window_loads = _timed("cut windows", cuda_fill.CudaFill._window_loads)
     cuda_fill.CudaFill._pipeline = _timed("window loop (all)", cuda_fill.CudaFill._pipeline)
     cuda_fill.unmap_later = _timed("unmap_later", cuda_fill.unmap_later)
+    windows.unmap_later = _timed("unmap_later (windows)", windows.unmap_later)
     for name in ("read_plan", "_check_views"):
         setattr(SafetensorsSource, name, _timed(name.strip("_"), getattr(SafetensorsSource, name)))
     import ctypes

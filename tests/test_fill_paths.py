@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.dtypes import parse_dtype
-from weightcache.reader import cuda_fill
+from weightcache.reader import cuda_fill, native_fill
 from weightcache.reader.filemap import FileMap, drop_from_page_cache, resident_fraction, wait_unmapped
 from weightcache.reader.read_plan import PAGE, Piece, order_segments, plan_segments
 from weightcache.reader.reading import CheckpointError, read_into
@@ -430,7 +430,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(cuda_fill.CudaFill, "_pinned", staticmethod(pinned))
-    monkeypatch.setattr(cuda_fill.native_fill, "USE_DRIVER", False)  # the native loop's copies: host memcpys
+    monkeypatch.setattr(native_fill, "USE_DRIVER", False)  # the native loop's copies: host memcpys
     yield drv
     wait_unmapped()
     assert drv.pending == [], "copies left that nothing waited for"
@@ -499,7 +499,7 @@ def test_cuda_fill_register_refused_falls_back(ckpt, fake_cuda, caplog):
 
 
 def test_cuda_fill_native_unavailable_copies_with_torch(ckpt, fake_cuda, monkeypatch, caplog):
-    monkeypatch.setattr(cuda_fill.native_fill, "library", lambda: (None, "no C compiler"))
+    monkeypatch.setattr(native_fill, "library", lambda: (None, "no C compiler"))
     cuda_fill.staging.native_unavailable.cache_clear()  # said once per process
     with caplog.at_level(logging.WARNING, logger="weightcache.reader.cuda_fill"):
         fill = cuda_fill_run(ckpt, 0, io="staged", stage_read="native", window_bytes=2 * PAGE)
@@ -540,7 +540,7 @@ def test_cuda_fill_truncated_file_releases_everything(ckpt, fake_cuda, tmp_path,
 
 def _count_windows(monkeypatch):
     made, closed = [], []
-    real = cuda_fill.native_fill.Windows
+    real = native_fill.Windows
 
     class Counted(real):
         def __init__(self, *a, **k):
@@ -552,7 +552,7 @@ def _count_windows(monkeypatch):
                 closed.append(self.base)
             super().close()
 
-    monkeypatch.setattr(cuda_fill.native_fill, "Windows", Counted)
+    monkeypatch.setattr(native_fill, "Windows", Counted)
     return made, closed
 
 
@@ -564,8 +564,8 @@ def _native_source(ckpt, **kw):
 def test_prepared_windows_are_the_ones_the_fill_uses(ckpt, fake_cuda, monkeypatch):
     made, closed = _count_windows(monkeypatch)
     seen = []
-    real_run = cuda_fill.native_fill.run
-    monkeypatch.setattr(cuda_fill.native_fill, "run", lambda plan, base, *a, **k: (seen.append(base),
+    real_run = native_fill.run
+    monkeypatch.setattr(native_fill, "run", lambda plan, base, *a, **k: (seen.append(base),
                                                                                      real_run(plan, base, *a, **k)))
     src = _native_source(ckpt)
     src.prepare()
@@ -623,9 +623,9 @@ def test_prepare_fill_makes_nothing_for_cpu_sources_or_other_readers(ckpt, fake_
 @pytest.mark.parametrize("prepared", [False, True])
 def test_windows_that_cannot_be_made_are_one_clear_error(ckpt, fake_cuda, monkeypatch, prepared):
     def refuse(*a, **k):
-        raise cuda_fill.native_fill.NativeFillError(-1, -1)
+        raise native_fill.NativeFillError(-1, -1)
 
-    monkeypatch.setattr(cuda_fill.native_fill, "Windows", refuse)
+    monkeypatch.setattr(native_fill, "Windows", refuse)
     src = _native_source(ckpt)
     if prepared:
         src.prepare()

@@ -13,7 +13,8 @@ import pytest
 import weightcache
 
 PKG = Path(weightcache.__file__).parent
-CORE = {"errors", "key", "digests", "dtypes", "manifest", "packing", "wire", "arena", "daemon", "server", "integrity",
+CORE = {"errors", "key", "digests", "dtypes", "manifest", "packing", "wire", "arena", "daemon", "server", "memwatch", "native_build",
+        "integrity", "gpus",
         "handover", "client", "custodian", "sockets", "faults", "progress", "publish"}
 ENGINE_HALVES = ("weightcache.integrations.torch", "weightcache.integrations.transformers.engine",
                  "weightcache.integrations.vllm.loader", "weightcache.integrations.vllm.plugin")

@@ -112,8 +112,7 @@ class Daemon:
         self.held = False  # the custodian holds a copy: the cache outlives this daemon
         self._started_mono = time.monotonic()
         self._ready_seconds = 0.0
-        self._peak_device_bytes = self._baseline_device_bytes = 0
-        self._watching_peak = False
+        self._peak = None  # memwatch.PeakWatch once a load starts (CUDA)
         self.phases: dict[str, float] = {}  # where the load's time went (a producer adds its own)
         # digests recorded at load (digest_chunk_bytes 0: none), re-hashed on request and every scrub_interval s
         self.guard = ResidentGuard(self.device, digest_chunk_bytes, scrub_interval)
@@ -149,14 +148,15 @@ class Daemon:
 
     def _watch_memory(self) -> None:
         """Sample the device memory in use above this point while the daemon loads (CUDA, once)."""
-        if self.device.type != "cuda" or self._watching_peak:
-            return
-        import torch
+        if self.device.type == "cuda" and self._peak is None:
+            from .memwatch import PeakWatch
 
-        self._watching_peak = True
-        free, total = torch.cuda.mem_get_info(self.device.index)
-        self._baseline_device_bytes = total - free
-        threading.Thread(target=self._watch_peak, name="weightcache-peak", daemon=True).start()
+            self._peak = PeakWatch(self.device.index, lambda: self.state in ("starting", "loading")
+                                   and not self._stop.is_set())
+
+    def _sample_peak(self) -> None:
+        if self._peak is not None:
+            self._peak.sample()
 
     def _allocate(self, manifest: Manifest) -> list:
         from .arena import allocate_block
@@ -180,8 +180,7 @@ class Daemon:
         manifest.gpu_uuid = self._gpu_uuid
 
     def _finish(self, manifest: Manifest, t0: float) -> None:
-        if self._watching_peak:
-            self._sample_peak()  # the sampler thread may not have run since the arena was allocated
+        self._sample_peak()  # the sampler thread may not have run since the arena was allocated
         for b in self._blocks:
             b.seal()
         if not self.adopted:
@@ -311,52 +310,12 @@ class Daemon:
 
     def _capture(self, manifest: Manifest, spans) -> None:
         """Fill block after block, freeing each source storage once its bytes are in the arena."""
-        import torch
+        from .packing import pack_consuming
 
-        from .arena import allocate_block
-        from .packing import release_storage, storage_bytes
-
-        by_block: list[list[int]] = [[] for _ in manifest.blocks]
-        for i, spec in enumerate(manifest.storages):
-            by_block[spec.block].append(i)
-        kept = 0
-        try:
-            for bi, members in enumerate(by_block):
-                block = allocate_block(manifest.blocks[bi].nbytes, self.device.torch())
-                self._blocks.append(block)
-                self._sample_peak()
-                for i in members:
-                    spec, (t, start, end) = manifest.storages[i], spans[i]
-                    block.tensor[spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
-                    self._progress(end - start)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device.index)
-                for i in members:
-                    kept += release_storage(spans[i][0])
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()  # hand the freed memory back to the driver for the next block
-        except BaseException:
-            for b in self._blocks:
-                b.close()
-            self._blocks = []
-            raise
+        kept = pack_consuming(manifest, spans, self.device.torch(), self._blocks, self._progress, self._sample_peak)
         self._describe_blocks(manifest)
         if kept:
             log.info("%.1f MiB of source storage could not be released early (not resizable)", kept / 2**20)
-
-    def _sample_peak(self) -> None:
-        if self.device.type == "cuda":
-            import torch
-
-            free, total = torch.cuda.mem_get_info(self.device.index)
-            self._peak_device_bytes = max(self._peak_device_bytes, total - free - self._baseline_device_bytes)
-
-    def _watch_peak(self) -> None:
-        """Device memory in use above the daemon's start, sampled while it loads (CUDA)."""
-        while self.state in ("starting", "loading") and not self._stop.is_set():
-            self._sample_peak()
-            time.sleep(0.01)
-        self._sample_peak()
 
     def fail(self, message: str) -> None:
         self.state, self.message = "failed", message
@@ -413,7 +372,7 @@ class Daemon:
                 device=str(self.device), gpu_uuid=self._gpu_uuid, pid=os.getpid(),
                 nbytes=m.nbytes if m else 0, ntensors=len(m.tensors) if m else 0, nblocks=len(m.blocks) if m else 0,
                 started_at=self._started_at, load_seconds=self._load_seconds,
-                peak_device_bytes=self._peak_device_bytes, adopted=self.adopted, held=self.held,
+                peak_device_bytes=self._peak.peak if self._peak else 0, adopted=self.adopted, held=self.held,
                 ready_seconds=self._ready_seconds, load_bytes_per_second=self._load_rate(),
                 attach_seconds_sum=self._attach_sum, attach_seconds_count=self._attach_count,
                 attach_seconds_buckets=cumulative, info=self.info, phases=dict(self.phases), **self._counters,

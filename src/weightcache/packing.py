@@ -148,3 +148,36 @@ def _even_runs(members: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
         runs.append(members[i:j])
         i = j
     return runs
+
+
+def pack_consuming(manifest: Manifest, spans, device: torch.device, blocks: list, progress, on_block) -> int:
+    """Copy the planned storages into arena blocks allocated one at a time (appended to ``blocks``), freeing
+    each source storage once its bytes are in its block; returns the bytes that could not be freed. On an
+    error every block made is closed and ``blocks`` emptied."""
+    from .arena import allocate_block
+
+    by_block: list[list[int]] = [[] for _ in manifest.blocks]
+    for i, spec in enumerate(manifest.storages):
+        by_block[spec.block].append(i)
+    kept = 0
+    try:
+        for bi, members in enumerate(by_block):
+            block = allocate_block(manifest.blocks[bi].nbytes, device)
+            blocks.append(block)
+            on_block()
+            for i in members:
+                spec, (t, start, end) = manifest.storages[i], spans[i]
+                block.tensor[spec.offset:spec.offset + end - start].copy_(storage_bytes(t, start, end))
+                progress(end - start)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            for i in members:
+                kept += release_storage(spans[i][0])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed memory back to the driver for the next block
+    except BaseException:
+        for b in blocks:
+            b.close()
+        blocks.clear()
+        raise
+    return kept

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..native_build import cache_dir
 from . import algorithm
-from .native import cache_dir
 
 log = logging.getLogger("weightcache.integrity")
 

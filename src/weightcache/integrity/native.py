@@ -5,57 +5,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from ..native_build import CACHE_ENV, build  # noqa: F401  (CACHE_ENV: where it is built, for tests)
 from . import algorithm
 
 log = logging.getLogger("weightcache.integrity")
 
 SOURCE = Path(__file__).with_name("digest.c")
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
-CACHE_ENV = "WEIGHTCACHE_NATIVE_DIR"
 MAX_THREADS = 8
 _u64 = ctypes.c_uint64
-
-
-def cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV)
-    if base:
-        return Path(base)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightcache" / "native"
 
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"digest-{digest}.so"
-    try:
-        if not out.exists():
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if not cc:
-                return None, "no C compiler"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                built = Path(tmp) / out.name
-                proc = subprocess.run([cc, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                                      timeout=120)
-                if proc.returncode != 0:
-                    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode
-                    return None, f"{cc} failed: {last}"
-                os.replace(built, out)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{type(e).__name__}: {e}"
+    lib, why = build(SOURCE, CFLAGS)
+    if lib is None:
+        return None, why
     lib.wc_digest_sums.restype = None
     lib.wc_digest_sums.argtypes = [ctypes.c_void_p, _u64, _u64, _u64, _u64, ctypes.c_void_p]
     return lib, ""

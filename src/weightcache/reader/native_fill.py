@@ -10,21 +10,18 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from .. import native_build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "fill_loop.c"
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
-CACHE_ENV = "WEIGHTCACHE_NATIVE_DIR"
+CACHE_ENV = native_build.CACHE_ENV
 USE_DRIVER = True  # False: the "device copies" are host memcpys (tests with a stand-in driver)
 POLL_SECONDS = 0.01
 SKIP_HOST_COPY, SKIP_DEVICE_COPY = 2, 4  # run()'s flags, to measure each side alone (bench/native_probe.py)
@@ -87,39 +84,17 @@ def plan_pieces(pieces, file_addrs: dict, dst_ptrs: dict) -> tuple[Pieces, list]
     return plan, ordered
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV)
-    if base:
-        return Path(base)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightcache" / "native"
-
-
 def built_name() -> str:
     """The library's file name in the cache: one per version of the source and flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return f"fill_loop-{digest}.so"
+    return native_build.built_name(SOURCE, list(CFLAGS))
 
 
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not)."""
-    out = _cache_dir() / built_name()
-    try:
-        if not out.exists():
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if not cc:
-                return None, "no C compiler"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                built = Path(tmp) / out.name
-                proc = subprocess.run([cc, *CFLAGS, "-o", str(built), str(SOURCE), "-ldl"], capture_output=True,
-                                      text=True, timeout=120)
-                if proc.returncode != 0:
-                    return None, f"{cc} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}"
-                os.replace(built, out)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{type(e).__name__}: {e}"
+    lib, why = native_build.build(SOURCE, list(CFLAGS), ("-ldl",))
+    if lib is None:
+        return None, why
     lib.wc_fill_run.restype = ctypes.c_int
     vp = ctypes.c_void_p  # the plan's arrays: array.array buffers
     lib.wc_fill_run.argtypes = [vp, vp, vp, vp, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,

@@ -46,8 +46,11 @@ def read_with_weightcache(device: torch.device, settings: ReadSettings, report=N
         yield
         return
 
+    used = []
+
     def iterator(hf_weights_files, use_tqdm_on_load=False, safetensors_load_strategy=None, local_expert_ids=None,
                  *args, **kwargs):
+        used.append(True)
         if safetensors_load_strategy not in PLAIN_STRATEGIES:
             log.info("safetensors load strategy %r: vLLM reads the checkpoint itself", safetensors_load_strategy)
             yield from original(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, local_expert_ids,
@@ -73,6 +76,9 @@ def read_with_weightcache(device: torch.device, settings: ReadSettings, report=N
         yield
     finally:
         default_loader.safetensors_weights_iterator = original
+    if not used:
+        log.warning("the checkpoint is not safetensors (or vLLM's loader read it another way): vLLM read it "
+                    "itself, at its own speed")
 
 
 def _natural_key(path: str):
