@@ -252,7 +252,7 @@ class Supervisor:
                    "hold_after_exit": self.hold_after_exit,
                    "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
                    "log_level": self.log_level, "keep_on_stop": self.keep_on_stop,
-                   "scrub_interval": self.scrub_interval}
+                   "scrub_interval": self.scrub_interval, "status_details": self.status_details}
         record.write(record.Record(
             rid=record.record_id(r["argv"]), argv=list(r["argv"]), socket_dir=str(self.socket_dir),
             checkpoints=[str(c) for c in r["checkpoints"]], stamps=r["stamps"], groups=groups,
