@@ -56,7 +56,8 @@ class Preload:
     def __init__(self, model: Path, a, sdir: str, port: int, log: Path):
         self.log = open(log, "a")
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", str(model), "--device", a.kind, "-tp", str(a.tp),
-               "--dtype", a.dtype, "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", str(port)]
+               "--dtype", a.dtype, "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", str(port),
+               "--weight-cache-status-details"]  # /status with the daemons' pids
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=with_src_on_path(), start_new_session=True)

@@ -162,7 +162,8 @@ def test_chaos_then_the_daemon_or_its_replacement_serves_the_right_bytes(sockdir
         assert not engines.wrong, engines.wrong
         assert engines.ok > 0, f"no engine got through the chaos: {engines.failures[-5:]}"
         assert proc.poll() is None, "the daemon survived the chaos"
-        assert "out of file descriptors" in (tmp_path / "daemon.stderr").read_text(), "the chaos exhausted them"
+        # its descriptor limit caps the connections, so the chaos is told "busy" rather than exhausting them
+        assert "descriptors are in use: at most" in (tmp_path / "daemon.stderr").read_text()
         with wc.attach(path, expect=KEY, wait=10.0) as att:  # and serves once it is over
             assert _still_right(att, engines.expected)
         assert wc.query_status(path).state == "ready"

@@ -369,3 +369,20 @@ def test_status_of_a_socket_dir_writable_by_others_is_one_line(sockdir, tmp_path
     assert main(["status"]) == 2  # the default directory too
     err = capsys.readouterr().err
     assert f"{runtime}/weightcache is writable by others" in err and len(err.strip().splitlines()) == 1
+
+
+# --- the READY line ---
+
+def _child(adopted: bool, seconds: float, nbytes: int = 10**9):
+    return types.SimpleNamespace(ready_info={"adopted": adopted, "load_seconds": seconds, "nbytes": nbytes})
+
+
+def test_ready_line_gives_a_rate_for_a_load_and_a_time_for_a_takeover():
+    from weightcache.preload.supervisor import Supervisor
+
+    assert Supervisor.how_ready([_child(False, 2.0), _child(False, 1.0)]) == " loaded in 2.0 s (1.00 GB/s)"
+    took = Supervisor.how_ready([_child(True, 0.0016), _child(True, 0.0009)])
+    assert took == " taken over from the custodian in 1.6 ms (no load)" and "GB/s" not in took
+    both = Supervisor.how_ready([_child(False, 4.0), _child(True, 0.002)])
+    assert both == " loaded in 4.0 s (0.25 GB/s), 1 of 2 taken over from the custodian in 2.0 ms (no load)"
+    assert Supervisor.how_ready([_child(False, 0.0)]) == ""

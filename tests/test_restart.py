@@ -73,8 +73,8 @@ def test_ten_daemon_kills_while_an_engine_keeps_serving(ckpt, env, tmp_path, pre
     import weightcache.transformers as wct
 
     sdir, port = tmp_path / "s", free_port()
-    p = Preload([ckpt, "--device", device, "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", port],
-                env, tmp_path)
+    p = Preload([ckpt, "--device", device, "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", port,
+                 "--weight-cache-status-details"], env, tmp_path)
     preloads.append(p)
     p.wait_ready()
     url = f"http://127.0.0.1:{port}"
@@ -121,7 +121,7 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
 
     sdir = tmp_path / "s"
     n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
-    args = [ckpt, "-tp", n, "--device", device, "--weight-cache-socket-dir", sdir]
+    args = [ckpt, "-tp", n, "--device", device, "--weight-cache-socket-dir", sdir, "--weight-cache-status-details"]
     first = Preload([*args, "--weight-cache-health-port", port := free_port()], env, tmp_path, "p1")
     preloads.append(first)
     first.wait_ready()
@@ -144,7 +144,8 @@ def test_preload_comes_back_after_sigkill_without_reading_the_checkpoint(ckpt, e
     watch = OpenWatch([str(ckpt)])
     again = Preload([*args, "--weight-cache-health-port", port := free_port()], env, tmp_path, "p2")
     preloads.append(again)
-    again.wait_ready()
+    line = again.wait_ready()
+    assert "taken over from the custodian in" in line and "GB/s" not in line, line  # no rate for no load
     assert weight_files_opened(watch.events()) == []
     assert f"{n} of {n} daemon(s) took their weights from the custodian" in again.stderr
     url = f"http://127.0.0.1:{port}"

@@ -163,7 +163,7 @@ def sockets(d) -> list[str]:
 def test_health_metrics_status_and_sigterm(ckpts, env, tmp_path, preloads):
     sdir, port = tmp_path / "s", free_port()
     p = Preload([ckpts["a"], "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", sdir,
-                 "--weight-cache-health-port", port], env, tmp_path)
+                 "--weight-cache-health-port", port, "--weight-cache-status-details"], env, tmp_path)
     preloads.append(p)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -231,7 +231,7 @@ def test_health_metrics_status_and_sigterm(ckpts, env, tmp_path, preloads):
 def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_path, preloads):
     sdir = tmp_path / "s"
     p = Preload([ckpts["a"], "--draft-model", ckpts["b"], "--device", "cpu", "--weight-cache-socket-dir", sdir,
-                 "--weight-cache-health-port", 0], env, tmp_path)
+                 "--weight-cache-health-port", 0, "--weight-cache-status-details"], env, tmp_path)
     preloads.append(p)
     line = p.wait_ready()
     assert "1 rank(s) x 2 role(s)" in line and "main: rank 0" in line and "draft: rank 0" in line

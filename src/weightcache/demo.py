@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -216,11 +217,69 @@ def _serve(model_dir: Path, dev, socket_dir: Path):
 
 
 def _make_checkpoint(path: Path, size_mb: int, dtype) -> None:
+    """Written next to `path` and renamed once complete: an interrupted write never passes for a checkpoint."""
     from .testing.checkpoints import llama_config_for_bytes, make_llama_checkpoint
 
-    if not (path / "config.json").exists():
-        make_llama_checkpoint(path, **llama_config_for_bytes(size_mb << 20, dtype), dtype=dtype,
+    if (path / "config.json").exists():
+        return
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        make_llama_checkpoint(partial, **llama_config_for_bytes(size_mb << 20, dtype), dtype=dtype,
                               max_shard_bytes=1 << 30, direct=True)
+        os.replace(partial, path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def checkpoint_bytes(size_mb: int, dtype) -> int:
+    """What _make_checkpoint writes for `size_mb`, tokenizer and configs included (an estimate from above)."""
+    from .testing.checkpoints import estimate_llama_bytes, llama_config_for_bytes
+
+    return estimate_llama_bytes(dtype=dtype, **llama_config_for_bytes(size_mb << 20, dtype)) + (4 << 20)
+
+
+def _check_room(work: Path, device: str, size_mb: int, engines: int, file_dtype) -> None:
+    """Refuse, before writing anything, a demo this machine has no room for: the checkpoints on disk, and on
+    CPU the daemon's bfloat16 copy plus one per engine that loads from disk (all alive at once) in memory."""
+    import torch
+
+    from .arena.host import available_host_memory
+
+    sizes = [size_mb, max(1, size_mb // 10)] if device == "cpu" else [size_mb]
+    need = sum(checkpoint_bytes(mb, file_dtype) for mb in sizes)
+    existing = sum(f.stat().st_size for mb in sizes for f in (work / f"llama-random-{mb}mb").glob("*")
+                   if f.is_file())  # written by an earlier run in --workdir: used again
+    free = shutil.disk_usage(work).free
+    if need - existing > free:
+        raise DemoError(f"--size-mb {size_mb} needs {_gib(need)} of disk in {work}, {_gib(free)} is free: "
+                        "pass a smaller --size-mb or another --workdir")
+    if device == "cpu":
+        bf16 = checkpoint_bytes(size_mb, torch.bfloat16)
+        mem, avail = bf16 * (engines + 1), available_host_memory()
+        if mem > avail:
+            raise DemoError(f"--size-mb {size_mb} with --engines {engines} needs about {_gib(mem)} of memory "
+                            f"(the daemon's copy and one per engine), {_gib(avail)} is available: pass a smaller "
+                            "--size-mb or fewer --engines")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+class DemoError(Exception):
+    """A demo this machine cannot run, or bad flags: one line, exit code 2."""
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+def _stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up runs once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise _Stopped(signum)
 
 
 def _cpu_demo(a, console, model_dir, daemon, sock, work, socket_dir, size_mb) -> bool:
@@ -327,14 +386,30 @@ def _gpu_demo(a, console, model_dir, socket_dir, size_mb) -> bool:
     return len({tuple(r["tokens"]) for r in rows}) == 1
 
 
+def _count(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="weightcache demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--size-mb", type=int, default=None, help="checkpoint size (default 300 on CPU, 4000 on GPU)")
-    p.add_argument("--engines", type=int, default=3, help="engines running at once (CPU)")
-    p.add_argument("--restarts", type=int, default=3, help="engine restarts per source (GPU)")
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--size-mb", type=_count(1, "a size in MB"), default=None,
+                   help="checkpoint size (default 300 on CPU, 4000 on GPU)")
+    p.add_argument("--engines", type=_count(1, "a number of engines"), default=3,
+                   help="engines running at once (CPU)")
+    p.add_argument("--restarts", type=_count(1, "a number of restarts"), default=3,
+                   help="engine restarts per source (GPU)")
+    p.add_argument("--new-tokens", type=_count(1, "a number of tokens"), default=8)
     p.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir)")
     p.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -345,17 +420,49 @@ def main(argv=None) -> int:
         run_engine(a.model, a.device, a.socket_dir, a.new_tokens)
         return 0
 
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _demo(a)
+    except DemoError as e:
+        print(f"weightcache demo: error: {e}", file=sys.stderr)
+        return 2
+    except _Stopped as e:
+        print(f"weightcache demo: stopped by {e}; its files are removed", file=sys.stderr)
+        return 128 + getattr(signal, str(e)).value
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _demo(a) -> int:
     import torch
     from rich.console import Console
 
     console = Console()
     device = _default_device() if a.device == "auto" else a.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DemoError("--device cuda but no CUDA device is visible")
     size_mb = a.size_mb or (4000 if device == "cuda" else 300)
     file_dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CPU: engines convert what they load
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="weightcache-demo-"))
-    socket_dir = Path(tempfile.mkdtemp(prefix="wcd", dir="/tmp"))
-    model_dir = work / f"llama-random-{size_mb}mb"
+    if a.workdir is not None:
+        work = Path(a.workdir)
+        if work.exists() and not work.is_dir():
+            raise DemoError(f"--workdir {a.workdir} is not a directory")
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            if not os.access(work, os.W_OK | os.X_OK):
+                raise PermissionError(f"{work} is not writable")
+        except OSError as e:
+            raise DemoError(f"--workdir {a.workdir}: {e.strerror or e}") from None
+    else:
+        _check_room(Path(tempfile.gettempdir()), device, size_mb, a.engines, file_dtype)
+        work = Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
+    socket_dir = None
     try:
+        if a.workdir is not None:
+            _check_room(work, device, size_mb, a.engines, file_dtype)
+        socket_dir = Path(tempfile.mkdtemp(prefix="wcd", dir="/tmp"))
+        model_dir = work / f"llama-random-{size_mb}mb"
         console.print(f"[bold]weightcache demo[/] on [cyan]{device}[/]: random Llama checkpoint of ~{size_mb} MB "
                       f"({str(file_dtype).removeprefix('torch.')}), served as bfloat16")
         t = time.perf_counter()
@@ -376,7 +483,8 @@ def main(argv=None) -> int:
                       else "[red]engines generated different tokens[/]")
         return 0 if same else 1
     finally:
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

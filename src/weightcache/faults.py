@@ -8,9 +8,10 @@ process die exactly as before (core dump, exit status, faulthandler's traceback 
 Why a ctypes handler: Python's `signal` module cannot handle SIGSEGV (its C handler only sets a flag and
 returns, so the faulting instruction runs again forever), faulthandler prints tracebacks but not the fault
 address, and a C extension would need a compiler at install. `sigaction(SA_SIGINFO)` with a ctypes callback
-gets the address from `siginfo_t`; the callback first puts the previous handler back, so whatever happens
-inside it, the next fault goes where it always went; it then writes its line and returns, the instruction
-faults again and the previous handler (faulthandler, or the default action) ends the process.
+gets the address from `siginfo_t`; the callback writes its line, puts the previous handler back and returns:
+the instruction faults again and the previous handler (faulthandler, or the default action) ends the process.
+Threads that fault at the same time (a torch kernel runs on several) wait for the first one's line before
+the previous handler is back, so no thread ends the process before the line is out.
 The callback runs Python code inside a signal handler: it takes the GIL (a torch kernel that faults has
 released it) and allocates. That is unsafe in general, acceptable here because the process is dying anyway
 and a fault in our read-only weights happens in a plain memory write, never inside the allocator. Set
@@ -48,6 +49,8 @@ class _StackT(ctypes.Structure):
 _HANDLER_T = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 _lock = threading.Lock()
+_reporting = threading.Lock()  # held while the first faulting thread writes its line
+_reported: list[int] = []  # the address of the fault that was named (once per process)
 _regions: list[tuple[int, int, Callable[[int], str]]] = []  # (start, end, describe(address))
 _installed: bool | None = None
 _libc = None
@@ -65,15 +68,31 @@ def _describe(addr: int) -> str | None:
 
 def _on_fault(signum: int, info: int, context: int) -> None:
     try:
-        _libc.sigaction(signal.SIGSEGV, ctypes.byref(_previous), None)  # whatever happens, the next fault goes there
         if ctypes.c_int.from_address(info + _SI_CODE_OFFSET).value <= 0:
+            _restore()
             signal.raise_signal(signum)  # sent by kill()/raise(), not a fault: delivered to the previous handler next
             return
         addr = ctypes.c_void_p.from_address(info + _SI_ADDR_OFFSET).value or 0
-        line = _describe(addr)
-        if line:
-            os.write(2, ("\n" + line.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+        # Threads that fault at once (a torch kernel on several threads) queue here; the previous handler goes
+        # back only once the first one's line is out, so none of them ends the process before it is written.
+        with _reporting:
+            if not _reported:
+                _reported.append(addr)
+                try:
+                    line = _describe(addr)
+                    if line:
+                        os.write(2, ("\n" + line.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+                finally:
+                    _restore()
     except BaseException:  # noqa: BLE001 - nothing may escape a signal handler; the process dies next anyway
+        _restore()
+
+
+def _restore() -> None:
+    """The previous handler back: the fault, which happens again on return, ends the process as it would have."""
+    try:
+        _libc.sigaction(signal.SIGSEGV, ctypes.byref(_previous), None)
+    except BaseException:  # noqa: BLE001
         pass
 
 

@@ -1,12 +1,15 @@
 """Serving a Unix socket, shared by the daemon and the custodian: bind in a private directory, accept
-without ever stopping (out of descriptors: back off and retry), admit by the peer's uid (SO_PEERCRED), by
-count and per process, and give each admitted connection a thread of its own."""
+without ever stopping, admit by the peer's uid (SO_PEERCRED), by count and per process, and give each
+admitted connection a thread of its own. A client is never left waiting in the listen backlog: connections
+take at most half of the descriptors the process has left at bind, and when descriptors run out all the
+same, a spare one kept for that moment accepts the next client to tell it "busy" at once."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -19,6 +22,7 @@ from .sockets import check_socket_path, ensure_private_dir, take_over_path
 log = logging.getLogger("weightcache.server")
 
 ACCEPT_QUIET = 2.0  # seconds without an accept error that end an episode of them
+FD_SHARE = 2  # connections may hold 1/FD_SHARE of the descriptors left at bind (blocks and attaches need the rest)
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 # handler(conn, (uid, pid), status_only); refuse(conn, code, message)
@@ -45,6 +49,7 @@ class UnixServer:
         self._connections: set[socket.socket] = set()
         self._per_peer: dict[tuple[int, int], int] = {}  # (uid, pid) -> open connections
         self._inode = 0
+        self._spare: int | None = None  # a descriptor kept free to refuse clients when none is left
 
     @property
     def connections(self) -> int:
@@ -69,7 +74,44 @@ class UnixServer:
         listener.settimeout(0.2)
         self._listener = listener
         self._inode = os.stat(self.path).st_ino
+        self._fit_descriptors()
+        self._spare = _open_spare()
         return True
+
+    def _fit_descriptors(self) -> None:
+        """Lower max_clients and status_reserve to what RLIMIT_NOFILE leaves room for (see FD_SHARE)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            used = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+        if soft == resource.RLIM_INFINITY:
+            return
+        room = max(2, (soft - used) // FD_SHARE)
+        if room >= self.max_clients + self.status_reserve:
+            return
+        self.status_reserve = min(self.status_reserve, room // 2)
+        self.max_clients = room - self.status_reserve
+        log.warning("%s: %d of its %d descriptors are in use: at most %d connections (+%d for status); raise "
+                    "ulimit -n for more", self.what, used, soft, self.max_clients, self.status_reserve)
+
+    def _refuse_with_spare(self, listener: socket.socket) -> bool:
+        """Out of descriptors: free the spare one, accept the next waiting client and tell it "busy" (rather
+        than leave it in the backlog until its timeout), then take the spare back. True if one was told."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            self._spare = _open_spare()  # once a descriptor is free again
+            return False
+        os.close(spare)
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            conn = None
+        if conn is not None:
+            self.refuse(conn, "busy", f"{self.what} is out of file descriptors ({self.connections} connections "
+                                      "open); retry later")
+        self._spare = _open_spare()
+        return conn is not None
 
     def start(self, name: str = "weightcache-accept") -> None:
         threading.Thread(target=self._accept_loop, name=name, daemon=True).start()
@@ -85,6 +127,9 @@ class UnixServer:
         """Stop accepting, remove the socket file (if still ours) and shut every open connection down."""
         self._stop.set()
         listener, self._listener = self._listener, None
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            os.close(spare)
         if listener is not None:
             listener.close()
             if self.path_is_ours():
@@ -121,8 +166,10 @@ class UnixServer:
                 if trouble_since is None:
                     trouble_since = last_error
                     hint = " (out of file descriptors)" if e.errno in OUT_OF_DESCRIPTORS else ""
-                    log.warning("%s cannot accept connections%s: %s; %d connection(s) open; retrying until it can",
-                                self.what, hint, e.strerror or e, self.connections)
+                    log.warning("%s cannot accept connections%s: %s; %d connection(s) open; clients are told it "
+                                "is busy until it can", self.what, hint, e.strerror or e, self.connections)
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._refuse_with_spare(listener):
+                    continue
                 backoff = min(max(2 * backoff, 0.01), 1.0)
                 self._stop.wait(backoff)
                 continue
@@ -131,7 +178,11 @@ class UnixServer:
                 log.warning("%s accepts connections again (for %.1f s it could not)", self.what,
                             last_error - trouble_since)
                 trouble_since = None
-            self._admit(conn)
+            try:
+                self._admit(conn)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one client
+                log.exception("%s: error while admitting a connection", self.what)
+                conn.close()
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -156,8 +207,13 @@ class UnixServer:
             self.refuse(conn, "busy", f"process {pid} holds {mine} connections already (at most "
                                       f"{self.max_per_peer}); close some or retry later")
         else:
-            threading.Thread(target=self._serve, args=(conn, peer, total >= self.max_clients),
-                             name=f"{self.what}-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer, total >= self.max_clients),
+                                 name=f"{self.what}-conn", daemon=True).start()
+            except RuntimeError as e:  # can't start new thread (RLIMIT_NPROC, memory)
+                self._forget(conn, peer)
+                self.refuse(conn, "busy", f"{self.what} cannot start a thread for this connection ({e}); "
+                                          "retry later")
 
     def _serve(self, conn: socket.socket, peer: tuple[int, int], status_only: bool) -> None:
         try:
@@ -167,11 +223,21 @@ class UnixServer:
         except Exception:
             log.exception("error while serving pid %d", peer[1])
         finally:
-            with self._lock:
-                self._connections.discard(conn)
-                left = self._per_peer.get(peer, 1) - 1
-                if left > 0:
-                    self._per_peer[peer] = left
-                else:
-                    self._per_peer.pop(peer, None)
+            self._forget(conn, peer)
             conn.close()
+
+    def _forget(self, conn: socket.socket, peer: tuple[int, int]) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+            left = self._per_peer.get(peer, 1) - 1
+            if left > 0:
+                self._per_peer[peer] = left
+            else:
+                self._per_peer.pop(peer, None)
+
+
+def _open_spare() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None

@@ -65,6 +65,20 @@ def _out_of_memory(nbytes: int, why: str) -> ArenaOutOfMemory:
     )
 
 
+# errno -> the limit it usually means, for a block the kernel refused
+_LIMITS = {
+    errno.ENOMEM: "out of memory or address space (RLIMIT_AS, ulimit -v)",
+    errno.EFBIG: "larger than this process may write (RLIMIT_FSIZE, ulimit -f)",
+    errno.ENOSPC: "no space left for shared memory",
+}
+
+
+def _refused(nbytes: int, e: OSError) -> OSError | ArenaOutOfMemory:
+    """A kernel refusal of a block as ArenaOutOfMemory (with the limit it hit), any other error unchanged."""
+    why = _LIMITS.get(e.errno)
+    return _out_of_memory(nbytes, f"{e.strerror}: {why}") if why else e
+
+
 class HostBlock:
     """One memfd-backed block owned by a daemon."""
 
@@ -72,17 +86,18 @@ class HostBlock:
         self.nbytes = (max(nbytes, 1) + PAGE - 1) // PAGE * PAGE
         if self.nbytes > available_host_memory():
             raise _out_of_memory(self.nbytes, "not enough free memory")
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, self.nbytes)
-            try:
-                os.posix_fallocate(self.fd, 0, self.nbytes)  # reserve now: fail clearly, never SIGBUS later
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise _out_of_memory(self.nbytes, e.strerror) from None
-                raise
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as e:
+            raise _refused(self.nbytes, e) from None
+        try:
+            os.ftruncate(self.fd, self.nbytes)  # EFBIG past RLIMIT_FSIZE
+            os.posix_fallocate(self.fd, 0, self.nbytes)  # reserve now: fail clearly, never SIGBUS later
             self._writable = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED,
-                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)  # ENOMEM past RLIMIT_AS
+        except OSError as e:
+            os.close(self.fd)
+            raise _refused(self.nbytes, e) from None
         except BaseException:
             os.close(self.fd)
             raise
@@ -100,11 +115,14 @@ class HostBlock:
         if self._writable is None:
             return  # sealed already
         self._forget()  # no more writes through the file either
-        ro = self.export_fd(True)  # a shared mapping of a read-write fd could be made writable again
         try:
-            self._mm = mmap.mmap(ro, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(ro)
+            ro = self.export_fd(True)  # a shared mapping of a read-write fd could be made writable again
+            try:
+                self._mm = mmap.mmap(ro, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(ro)
+        except OSError as e:
+            raise _refused(self.nbytes, e) from None
         self._writable = None  # unmapped now, or when the last view of the fill dies (never under a live view)
         self.tensor = _tensor_over(self._mm)
         base = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

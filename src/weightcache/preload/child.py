@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import multiprocessing as mp
@@ -160,6 +161,16 @@ def _send(conn, kind: str, **fields) -> None:
         pass  # the supervisor is gone; the lifeline ends us
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` says memory ran out: ours, Python's, torch's (CUDA, and the CPU allocator's plain
+    RuntimeError) or the kernel's ENOMEM."""
+    if isinstance(e, (ArenaOutOfMemory, MemoryError)) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOMEM
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
 def child_main(spec: ChildSpec, conn, lifeline) -> None:
     """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
     go, mode = threading.Event(), [GO]
@@ -229,22 +240,26 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     except _Terminated:
         code = 0
     except BaseException as e:
-        oom = isinstance(e, (ArenaOutOfMemory, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
-        code = EXIT_OOM if oom else EXIT_NOT_HELD if isinstance(e, NotHeld) else (code or 1)
+        code = EXIT_OOM if out_of_memory(e) else EXIT_NOT_HELD if isinstance(e, NotHeld) else (code or 1)
         if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:
             code = e.code
-        message = f"{type(e).__name__}: {e}"
-        if isinstance(e, WeightCacheError):  # says what is wrong already: the traceback only at DEBUG
-            log.error("failed: %s", message)
-            log.debug("%s", traceback.format_exc())
-        else:
-            log.error("failed: %s\n%s", message, traceback.format_exc())
+        message = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the library wrote
+        # A bad checkpoint or config is the usual cause, and the message names it: the traceback at DEBUG only
+        log.error("failed: %s%s", message, "" if isinstance(e, WeightCacheError) or log.isEnabledFor(
+            logging.DEBUG) else " (the traceback at log level DEBUG)")
+        log.debug("%s", traceback.format_exc())
         _send(conn, "failed", message=message)
     finally:
         if daemon is not None:
             daemon.close()
     # Skip interpreter finalization: with torch loaded it can hang in garbage collection at exit, and
-    # nothing is left to clean up (socket removed, memory returns to the kernel).
+    # nothing is left to clean up (socket removed, memory returns to the kernel) but multiprocessing's
+    # semaphores (tqdm's lock, under transformers' progress bars): unlinked here, or the preload's resource
+    # tracker warns of a leaked semaphore when it ends.
+    with contextlib.suppress(Exception):
+        from multiprocessing import util
+
+        util._run_finalizers(0)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

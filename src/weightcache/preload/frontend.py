@@ -232,6 +232,43 @@ def _check_config(role: str, path: str, tp_size: int, tp_plan) -> None:
             raise UsageError(f"{role} model {path}: {e}") from None
 
 
+TORCH_WEIGHTS = (".bin", ".pt", ".pth")  # what transformers also reads, besides safetensors
+
+
+def _check_weights(role: str, path: str, engine: str) -> None:
+    """A directory must hold weights in a format the engine reads (GGUF alone is refused with a hint), told by
+    the file names only: no weight file is opened here (a preload that takes its caches from the custodian
+    reads none). What is inside them is the daemons' to check, each failure in one line."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    try:
+        found = sorted({f.suffix for f in p.iterdir() if f.suffix in (".safetensors", *TORCH_WEIGHTS, ".gguf")})
+    except OSError as e:
+        raise UsageError(f"{role} model {path}: {e}") from None
+    readable = {".safetensors"} if engine == "safetensors" else {".safetensors", *TORCH_WEIGHTS}
+    if not readable & set(found):
+        raise UsageError(f"{role} model {path}: no weights --engine {engine} reads (it reads "
+                         f"{', '.join('*' + x for x in sorted(readable))}; found "
+                         f"{', '.join('*' + x for x in found) or 'none'})"
+                         + ("; convert the GGUF file to safetensors" if ".gguf" in found else ""))
+
+
+def _check_local_ranks(device: str, layouts) -> None:
+    """On CPU every local rank is a daemon process of its own: refuse more of them than this machine has CPUs
+    (on CUDA the layout already refuses more ranks than visible devices)."""
+    if device != "cpu":
+        return
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for lay in layouts:
+        if lay.local_size > cpus:
+            raise UsageError(f"{lay.role}: this node would run {lay.local_size} daemon(s) ({lay.describe()}) on "
+                             f"--device cpu but only {cpus} CPU(s) are available; use smaller parallel sizes or "
+                             "more nodes")
+
+
 def _free_port() -> int:
     import socket
 
@@ -318,6 +355,9 @@ def _preload(args, argv: list[str]) -> int:
         except ValueError as e:
             raise UsageError(f"--dtype: {e}") from None
 
+    _check_local_ranks(device, [p[2] for p in plans])
+    for role, path, _, _ in plans:
+        _check_weights(role, path, args.engine)  # every refusal before any hashing starts
     from ..digests import start_checkpoint_digest
 
     groups, digests = [], []

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
+
+from .http_guard import HEAD_TIMEOUT_S, REQUEST_TIMEOUT_S, Guard, close_after_response, connection_cap
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ def healthy(entries: list[DaemonEntry]) -> bool:
     return bool(entries) and all(e.ready for e in entries)
 
 
-def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = ()):
+def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = (),
+               model_name: Callable[[str], str] | None = None):
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     from ..wire import ATTACH_BUCKETS
@@ -110,6 +114,7 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
             for e in entries:
                 s = e.status
                 model = s.key.model if s is not None else ""
+                model = model_name(model) if model_name else model
                 device = (s.device if s is not None else "") or e.device
                 lv = [e.role, str(e.rank), device, model]
                 g["up"].add_metric(lv, 1.0 if e.alive and s is not None else 0.0)
@@ -148,21 +153,48 @@ def _collector(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] =
     return _Collector()
 
 
-def render_metrics(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = ()) -> bytes:
+def render_metrics(entries: list[DaemonEntry], extra: list[tuple[str, str, float]] = (),
+                   model_name: Callable[[str], str] | None = None) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_collector(entries, extra))
+    registry.register(_collector(entries, extra, model_name))
     return generate_latest(registry)
 
 
-def build_app(collect: Collect, info: Callable[[], dict] | None = None, extra: Extra | None = None):
-    """A FastAPI app over `collect()`, which returns the local daemons' entries (queried at request time)."""
+# Without --weight-cache-status-details, what the health port shows leaves out what only the operator needs:
+# process ids, socket paths, and directories in model names and messages (a path keeps its last part).
+HIDDEN_FIELDS = frozenset({"pid", "socket", "socket_dir", "supervisor_pid"})
+_SEG = r"[^\s/'\":,;()\[\]]+"
+_PATH = re.compile(rf"(?<![\w.~:/-])/(?:{_SEG}/)*({_SEG})/?")
+
+
+def strip_paths(text: str) -> str:
+    """Every absolute path in `text` cut to its last part: "/models/llama" -> "llama"."""
+    return _PATH.sub(r"\1", text)
+
+
+def redact(obj):
+    """A JSON-able value without HIDDEN_FIELDS and with every absolute path cut to its last part."""
+    if isinstance(obj, dict):
+        return {k: redact(v) for k, v in obj.items() if k not in HIDDEN_FIELDS}
+    if isinstance(obj, (list, tuple)):
+        return [redact(v) for v in obj]
+    if isinstance(obj, str):
+        return strip_paths(obj)
+    return obj
+
+
+def build_app(collect: Collect, info: Callable[[], dict] | None = None, extra: Extra | None = None, *,
+              details: bool = False):
+    """A FastAPI app over `collect()`, which returns the local daemons' entries (queried at request time).
+    Without `details`, no answer names a pid, a socket or a directory (see HIDDEN_FIELDS)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST
 
     app = FastAPI(title="weightcache", docs_url=None, redoc_url=None, openapi_url=None)
+    shown = (lambda x: x) if details else redact
 
     @app.get("/health")
     def health():
@@ -171,30 +203,39 @@ def build_app(collect: Collect, info: Callable[[], dict] | None = None, extra: E
         bad = [f"{e.role} rank {e.rank}: {e.state}" + (f" ({e.error})" if e.error else "")
                + (f" ({e.status.verify_message})" if e.state == "weights changed" else "")
                for e in entries if not e.ready]
-        body = {"status": "ok" if ok else "unavailable", "daemons": len(entries), "not_ready": bad}
+        body = {"status": "ok" if ok else "unavailable", "daemons": len(entries), "not_ready": shown(bad)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     def metrics():
-        return Response(render_metrics(collect(), extra() if extra else ()), media_type=CONTENT_TYPE_LATEST)
+        body = render_metrics(collect(), extra() if extra else (), model_name=None if details else strip_paths)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     def status():
         entries = collect()
         body = {"healthy": healthy(entries), "time": time.time(), **(info() if info else {}),
-                "daemons": [e.to_json() for e in entries]}
-        return JSONResponse(body)
+                "daemons": [e.to_json() for e in entries], "details": details}
+        return JSONResponse(shown(body))
 
     return app
 
 
 class HealthServer:
-    """uvicorn in a background thread; the supervisor keeps the signals."""
+    """uvicorn in a background thread, behind a guard (http_guard) that bounds how long a request head may take
+    and how many connections are open; the supervisor keeps the signals."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, max_connections: int | None = None,
+                 head_timeout: float = HEAD_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S):
         import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+        cap = connection_cap() if max_connections is None else max_connections
+        self.guard = Guard(cap, head_timeout, request_timeout)
+        config = uvicorn.Config(close_after_response(app), host=host, port=port, log_level="warning",
+                                lifespan="off", access_log=False, ws="none",
+                                http=self.guard.protocol(AutoHTTPProtocol),
+                                backlog=max(8, cap))  # also how many connections one accept round takes
         self.server = uvicorn.Server(config)
         self.host = host
         self.port = port

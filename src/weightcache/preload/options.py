@@ -83,6 +83,9 @@ def add_weight_cache_arguments(p: argparse.ArgumentParser, *, vllm: bool = False
                    help="serve /health, /metrics and /status on this port (off by default; 0: a free port)")
     g.add_argument("--weight-cache-health-host", default=DEFAULT_HEALTH_HOST, metavar="HOST",
                    help=f"address the HTTP server binds (default {DEFAULT_HEALTH_HOST})")
+    g.add_argument("--weight-cache-status-details", action="store_true",
+                   help="/status and /metrics also show process ids, socket paths and whole model paths (any "
+                        "local user can read the health port; allowed with a loopback health host only)")
     g.add_argument("--weight-cache-start-timeout", type=seconds, default=3600.0, metavar="S",
                    help="give up if the daemons are not ready after this long")
     g.add_argument("--weight-cache-rendezvous-timeout", type=seconds, default=600.0, metavar="S",
@@ -139,8 +142,14 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
     ``checkpoints``: the preload's command line and checkpoint directories, remembered once READY for a
     restart that needs no engine (``record.py``). ``digests``: (what, Future) of checkpoint hashes started by
     the front end; the start fails in one line if one does."""
+    from .layout import is_loopback
     from .record import checkpoint_stamps
     from .supervisor import StartError, Supervisor
+
+    details = args.weight_cache_status_details
+    if details and not is_loopback(args.weight_cache_health_host):
+        raise UsageError(f"--weight-cache-status-details shows process ids and paths: allowed only with a loopback "
+                         f"--weight-cache-health-host, not {args.weight_cache_health_host}")
 
     remember = None
     if argv is not None and not args.weight_cache_no_custodian:
@@ -151,6 +160,7 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
             remember = None
     try:
         sup = Supervisor(groups, socket_dir=socket_dir, health_host=args.weight_cache_health_host,
+                         status_details=details,
                          health_port=args.weight_cache_health_port,
                          start_timeout=args.weight_cache_start_timeout,
                          rendezvous_timeout=args.weight_cache_rendezvous_timeout,

@@ -82,12 +82,13 @@ class Supervisor:
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
                  remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None,
                  hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S, scrub_interval: float = 0.0,
-                 warm_engine: bool = False):
+                 warm_engine: bool = False, status_details: bool = False):
         """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
         supervisor writes them with every rank's key into a record its own restart comes back from
         (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
         restart from a record): on one node it is kept in process, without torch. ``hold_after_exit``: how long
-        the custodian keeps this preload's caches once it is gone without an orderly stop."""
+        the custodian keeps this preload's caches once it is gone without an orderly stop. ``status_details``:
+        /status and /metrics show pids and paths (http.build_app)."""
         if not groups:
             raise StartError("nothing to preload", 2)
         if health_port is not None and not 0 <= health_port <= 65535:
@@ -103,6 +104,7 @@ class Supervisor:
         self.groups = groups
         self.socket_dir = Path(socket_dir)
         self.health_host, self.health_port = health_host, health_port
+        self.status_details = status_details  # /status and /metrics show pids and paths
         self.start_timeout, self.rendezvous_timeout = start_timeout, rendezvous_timeout
         self.log_level = log_level
         self.ready_stream = ready_stream
@@ -250,7 +252,7 @@ class Supervisor:
                    "hold_after_exit": self.hold_after_exit,
                    "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
                    "log_level": self.log_level, "keep_on_stop": self.keep_on_stop,
-                   "scrub_interval": self.scrub_interval}
+                   "scrub_interval": self.scrub_interval, "status_details": self.status_details}
         record.write(record.Record(
             rid=record.record_id(r["argv"]), argv=list(r["argv"]), socket_dir=str(self.socket_dir),
             checkpoints=[str(c) for c in r["checkpoints"]], stamps=r["stamps"], groups=groups,
@@ -534,13 +536,32 @@ class Supervisor:
         per_role = {len(g.layout.local_placements()) for g in self.groups}
         ranks = per_role.pop() if len(per_role) == 1 else "/".join(
             str(len(g.layout.local_placements())) for g in self.groups)
-        seconds = max((float(c.ready_info.get("load_seconds", 0)) for c in self.children), default=0.0)
-        loaded = f" loaded in {seconds:.1f} s ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
         line = (f"weightcache READY node {self.node_rank}/{self.nnodes}: {ranks} rank(s) x {len(self.groups)} "
-                f"role(s) [{'; '.join(parts)}], {human_bytes(nbytes)}{loaded}, sockets in {self.socket_dir}")
+                f"role(s) [{'; '.join(parts)}], {human_bytes(nbytes)}{self.how_ready(self.children)}, sockets in "
+                f"{self.socket_dir}")
         if self.http is not None:
             line += f", health http://{self.health_host}:{self.http.port}/health"
         print(line, file=self.ready_stream or sys.stdout, flush=True)
+
+    @staticmethod
+    def how_ready(children: list[Child]) -> str:
+        """How the daemons got their weights, for the READY line: a load's time and rate; a cache taken over from
+        the custodian (no load) by the time it took, never as a rate."""
+        def seconds(c: Child) -> float:
+            return float(c.ready_info.get("load_seconds", 0))
+
+        loaded = [c for c in children if not c.ready_info.get("adopted")]
+        adopted = [c for c in children if c.ready_info.get("adopted")]
+        out = []
+        load_s = max(map(seconds, loaded), default=0.0)
+        if load_s > 0:
+            nbytes = sum(int(c.ready_info.get("nbytes", 0)) for c in loaded)
+            out.append(f" loaded in {load_s:.1f} s ({nbytes / load_s / 1e9:.2f} GB/s)")
+        if adopted:
+            some = f"{len(adopted)} of {len(children)} " if loaded else ""
+            out.append(f"{',' if out else ''} {some}taken over from the custodian in "
+                       f"{max(map(seconds, adopted)) * 1e3:.1f} ms (no load)")
+        return "".join(out)
 
     # -- HTTP --------------------------------------------------------------------------------------------
 
@@ -572,8 +593,8 @@ class Supervisor:
     def _start_http(self) -> None:
         from .http import HealthServer, build_app
 
-        self.http = HealthServer(build_app(self.entries, self.info, self._custodian_metrics), self.health_host,
-                                 self.health_port)
+        self.http = HealthServer(build_app(self.entries, self.info, self._custodian_metrics,
+                                           details=self.status_details), self.health_host, self.health_port)
         try:
             port = self.http.start()
         except (OSError, TimeoutError) as e:

@@ -70,6 +70,8 @@ def read_header(path: Path) -> tuple[dict[str, CheckpointEntry], dict[str, str]]
             code, shape, (b, e) = info["dtype"], tuple(map(int, info["shape"])), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from err
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension in its shape {list(shape)}")
         dtype = dtypes.get(code) or torch_dtype(code, path, name)
         expect = math.prod(shape) * dtype.itemsize
         if e - b != expect or b < 0:
@@ -81,7 +83,21 @@ def read_header(path: Path) -> tuple[dict[str, CheckpointEntry], dict[str, str]]
                 f"{path}: tensor {name!r} ends at byte {base + e} but the file has {size} bytes (truncated?)"
             )
         entries[name] = CheckpointEntry(name, path, dtype, shape, base + b, e - b)
+    _check_disjoint(path, entries)
     return entries, meta
+
+
+def _check_disjoint(path: Path, entries: dict[str, CheckpointEntry]) -> None:
+    """No two tensors may share bytes: one write would change both (safetensors' own loader refuses it too)."""
+    last: CheckpointEntry | None = None
+    for ent in sorted((x for x in entries.values() if x.nbytes), key=lambda x: x.start):
+        if last is not None and ent.start < last.start + last.nbytes:
+            raise CheckpointError(
+                f"{path}: tensors {last.name!r} (bytes {last.start}..{last.start + last.nbytes}) and {ent.name!r} "
+                f"(bytes {ent.start}..{ent.start + ent.nbytes}) overlap"
+            )
+        if last is None or ent.start + ent.nbytes > last.start + last.nbytes:
+            last = ent
 
 
 def checkpoint_entries(model_dir: str | Path) -> tuple[Path, dict[str, CheckpointEntry]]:
