@@ -378,11 +378,11 @@ def _child(adopted: bool, seconds: float, nbytes: int = 10**9):
 
 
 def test_ready_line_gives_a_rate_for_a_load_and_a_time_for_a_takeover():
-    from weightcache.preload.supervisor import Supervisor
+    from weightcache.preload.ready import how_ready
 
-    assert Supervisor.how_ready([_child(False, 2.0), _child(False, 1.0)]) == " loaded in 2.0 s (1.00 GB/s)"
-    took = Supervisor.how_ready([_child(True, 0.0016), _child(True, 0.0009)])
+    assert how_ready([_child(False, 2.0), _child(False, 1.0)]) == " loaded in 2.0 s (1.00 GB/s)"
+    took = how_ready([_child(True, 0.0016), _child(True, 0.0009)])
     assert took == " taken over from the custodian in 1.6 ms (no load)" and "GB/s" not in took
-    both = Supervisor.how_ready([_child(False, 4.0), _child(True, 0.002)])
+    both = how_ready([_child(False, 4.0), _child(True, 0.002)])
     assert both == " loaded in 4.0 s (0.25 GB/s), 1 of 2 taken over from the custodian in 2.0 ms (no load)"
-    assert Supervisor.how_ready([_child(False, 0.0)]) == ""
+    assert how_ready([_child(False, 0.0)]) == ""

@@ -274,3 +274,13 @@ class Custody:
                 "socket": str(custodian_socket_path(self.socket_dir)), "restarts": self.restarts,
                 "hold_after_exit": self.hold_after_exit, "holdings": holdings,
                 "next_expiry_s": min(expiring) if expiring else None}
+
+    def metrics(self) -> list[tuple[str, str, float]]:
+        """The custodian's gauges for /metrics: (name, help, value)."""
+        info = self.info()
+        expiry = info.get("next_expiry_s")
+        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs "
+                 "and answers", 1.0 if info["up"] else 0.0),
+                ("weightcache_custodian_next_release_seconds", "seconds until the custodian frees the next cache "
+                 "whose preload is gone (its lease); -1: none is counting down",
+                 -1.0 if expiry is None else float(expiry))]

@@ -12,7 +12,10 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
+
+import msgspec
 
 from ..digests import CHECKPOINT_METADATA, CHECKPOINT_SUFFIXES
 
@@ -132,3 +135,25 @@ def layout_from(fields: dict):
 
         cls = LoopbackLayout
     return cls(**fields["fields"])
+
+
+def write_for(remember: dict, groups, children, *, socket_dir, options: dict) -> None:
+    """The record of a preload that just became READY: ``remember`` is its front end's {"argv", "checkpoints",
+    "stamps"}; none is written if a checkpoint file changed while it loaded."""
+    try:
+        unchanged = checkpoint_stamps(remember["checkpoints"]) == remember["stamps"]
+    except OSError:
+        unchanged = False
+    if not unchanged:
+        log.warning("the checkpoint changed while it loaded: no restart record (the next start loads again)")
+        return
+    rows = []
+    for g in groups:
+        mine = [c for c in children if c.spec.role == g.role]
+        rows.append({"role": g.role, "layout": layout_fields(g.layout), "master_addr": g.master_addr,
+                     "master_port": g.master_port if g.layout.nodes > 1 else 0, "info": dict(g.info),
+                     "ranks": [{"rank": c.spec.placement.rank, "key": msgspec.to_builtins(c.key),
+                                "socket": c.socket, "gpu_uuid": c.gpu_uuid} for c in mine]})
+    write(Record(rid=record_id(remember["argv"]), argv=list(remember["argv"]), socket_dir=str(socket_dir),
+                 checkpoints=[str(c) for c in remember["checkpoints"]], stamps=remember["stamps"], groups=rows,
+                 options=options, created_at=time.time()))

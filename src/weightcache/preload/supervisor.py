@@ -30,8 +30,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from ..key import CacheKey
 from .child import (
     ADOPT,
@@ -50,6 +48,7 @@ from .child import (
 from .custody import DEFAULT_HOLD_AFTER_EXIT_S, Custody
 from .group import Group, default_key, stamp_of
 from .layout import Placement
+from .ready import failure_report, ready_line
 
 log = logging.getLogger("weightcache.preload.supervisor")
 
@@ -62,17 +61,6 @@ class StartError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
-
-
-# ---------------------------------------------------------------------------------------------- child side
-
-# ----------------------------------------------------------------------------------------- supervisor side
-
-def ranks_text(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
 
 
 class Supervisor:
@@ -233,30 +221,12 @@ class Supervisor:
             return
         from . import record
 
-        groups = []
-        for g in self.groups:
-            mine = [c for c in self.children if c.spec.role == g.role]
-            groups.append({"role": g.role, "layout": record.layout_fields(g.layout), "master_addr": g.master_addr,
-                           "master_port": g.master_port if g.layout.nodes > 1 else 0, "info": dict(g.info),
-                           "ranks": [{"rank": c.spec.placement.rank, "key": msgspec.to_builtins(c.key),
-                                      "socket": c.socket, "gpu_uuid": c.gpu_uuid} for c in mine]})
-        r = self.remember
-        try:
-            unchanged = record.checkpoint_stamps(r["checkpoints"]) == r["stamps"]
-        except OSError:
-            unchanged = False
-        if not unchanged:
-            log.warning("the checkpoint changed while it loaded: no restart record (the next start loads again)")
-            return
         options = {"health_host": self.health_host, "health_port": self.health_port,
                    "hold_after_exit": self.hold_after_exit,
                    "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
                    "log_level": self.log_level, "keep_on_stop": self.keep_on_stop,
                    "scrub_interval": self.scrub_interval, "status_details": self.status_details}
-        record.write(record.Record(
-            rid=record.record_id(r["argv"]), argv=list(r["argv"]), socket_dir=str(self.socket_dir),
-            checkpoints=[str(c) for c in r["checkpoints"]], stamps=r["stamps"], groups=groups,
-            options=options, created_at=time.time()))
+        record.write_for(self.remember, self.groups, self.children, socket_dir=self.socket_dir, options=options)
 
     def hold(self) -> int:
         """Watch the daemons until a signal arrives. One that dies is logged (and /health turns 503) and
@@ -478,21 +448,8 @@ class Supervisor:
             mpc.wait([c.proc.sentinel for c in self.children if not c.exited], timeout=0.05)
         for c in self.children:
             c.drain()
-        dead = [c for c in self.children if c.exited]
-        lines, worst = [], 0
-        for c in dead:
-            c.reported = True
-            worst = max(worst, exit_code_of(c.proc.exitcode))
-            why = c.message or (f"killed by {signal.Signals(-c.proc.exitcode).name}" if c.proc.exitcode < 0
-                                else "exited without saying why")
-            lines.append(f"{c.label} exited with code {c.proc.exitcode}: {why}")
-        ranks = sorted(c.spec.placement.rank for c in dead)
-        others = [f"{c.spec.role} rank {c.spec.placement.rank} ({c.state})" for c in self.children if not c.exited]
-        if others:
-            lines.append("stopping the others: " + ", ".join(others))
-        raise StartError(
-            f"node {self.node_rank}/{self.nnodes}: {len(dead)} of {len(self.children)} daemon(s) failed during "
-            f"start-up (rank {ranks_text(ranks)}):\n  " + "\n  ".join(lines), worst)
+        message, code = failure_report(self.children, node_rank=self.node_rank, nnodes=self.nnodes)
+        raise StartError(message, code)
 
     # -- shutdown ----------------------------------------------------------------------------------------
 
@@ -524,44 +481,9 @@ class Supervisor:
                     pass
 
     def _print_ready(self) -> None:
-        from ..progress import human_bytes
-
-        parts = []
-        for g in self.groups:
-            local = g.layout.local_placements()
-            devices = sorted({p.device for p in local})
-            parts.append(f"{g.role}: rank {ranks_text([p.rank for p in local])} of {g.layout.world_size} "
-                         f"({g.layout.describe()}) on {','.join(devices)}")
-        nbytes = sum(int(c.ready_info.get("nbytes", 0)) for c in self.children)
-        per_role = {len(g.layout.local_placements()) for g in self.groups}
-        ranks = per_role.pop() if len(per_role) == 1 else "/".join(
-            str(len(g.layout.local_placements())) for g in self.groups)
-        line = (f"weightcache READY node {self.node_rank}/{self.nnodes}: {ranks} rank(s) x {len(self.groups)} "
-                f"role(s) [{'; '.join(parts)}], {human_bytes(nbytes)}{self.how_ready(self.children)}, sockets in "
-                f"{self.socket_dir}")
-        if self.http is not None:
-            line += f", health http://{self.health_host}:{self.http.port}/health"
-        print(line, file=self.ready_stream or sys.stdout, flush=True)
-
-    @staticmethod
-    def how_ready(children: list[Child]) -> str:
-        """How the daemons got their weights, for the READY line: a load's time and rate; a cache taken over from
-        the custodian (no load) by the time it took, never as a rate."""
-        def seconds(c: Child) -> float:
-            return float(c.ready_info.get("load_seconds", 0))
-
-        loaded = [c for c in children if not c.ready_info.get("adopted")]
-        adopted = [c for c in children if c.ready_info.get("adopted")]
-        out = []
-        load_s = max(map(seconds, loaded), default=0.0)
-        if load_s > 0:
-            nbytes = sum(int(c.ready_info.get("nbytes", 0)) for c in loaded)
-            out.append(f" loaded in {load_s:.1f} s ({nbytes / load_s / 1e9:.2f} GB/s)")
-        if adopted:
-            some = f"{len(adopted)} of {len(children)} " if loaded else ""
-            out.append(f"{',' if out else ''} {some}taken over from the custodian in "
-                       f"{max(map(seconds, adopted)) * 1e3:.1f} ms (no load)")
-        return "".join(out)
+        url = f"http://{self.health_host}:{self.http.port}/health" if self.http is not None else None
+        print(ready_line(self.groups, self.children, node_rank=self.node_rank, nnodes=self.nnodes,
+                         socket_dir=self.socket_dir, health_url=url), file=self.ready_stream or sys.stdout, flush=True)
 
     # -- HTTP --------------------------------------------------------------------------------------------
 
@@ -581,19 +503,10 @@ class Supervisor:
                        for g in self.groups],
         }
 
-    def _custodian_metrics(self) -> list[tuple[str, str, float]]:
-        info = self.custody.info()
-        expiry = info.get("next_expiry_s")
-        return [("weightcache_custodian_up", "1 while the custodian that keeps the caches past their daemons runs "
-                 "and answers", 1.0 if info["up"] else 0.0),
-                ("weightcache_custodian_next_release_seconds", "seconds until the custodian frees the next cache "
-                 "whose preload is gone (its lease); -1: none is counting down",
-                 -1.0 if expiry is None else float(expiry))]
-
     def _start_http(self) -> None:
         from .http import HealthServer, build_app
 
-        self.http = HealthServer(build_app(self.entries, self.info, self._custodian_metrics,
+        self.http = HealthServer(build_app(self.entries, self.info, self.custody.metrics,
                                            details=self.status_details), self.health_host, self.health_port)
         try:
             port = self.http.start()
