@@ -545,3 +545,34 @@ def test_watch_forgets_from_a_finalizer_while_it_holds_its_lock():
     finally:
         a.close()
         b.close()
+
+
+def test_watch_thread_starting_may_forget_while_add_returns(monkeypatch):
+    """The watch's new thread can run a finalizer (a GC pass) before its start() returns, and that finalizer
+    forgets an earlier connection: add() must not hold the lock while it waits for the thread to start."""
+    import socket
+
+    from weightcache import client
+    from weightcache.client import _Watch
+
+    watch = _Watch()
+    first, first_peer = socket.socketpair()
+    second, second_peer = socket.socketpair()
+    forgot = threading.Event()
+    real_thread = threading.Thread
+
+    class ThreadThatForgetsFirst(real_thread):
+        def start(self):
+            real_thread(target=lambda: (watch.forget(first), forgot.set()), daemon=True).start()
+            assert forgot.wait(5), "add() held the watch's lock while its thread started"
+            super().start()
+
+    try:
+        watch._sel.register(first, client.selectors.EVENT_READ, None)
+        monkeypatch.setattr(client.threading, "Thread", ThreadThatForgetsFirst)
+        watch.add(second, lambda: None)
+        assert forgot.is_set() and list(watch._sel.get_map().values())[0].fileobj is second
+    finally:
+        watch.forget(second)
+        for s in (first, first_peer, second, second_peer):
+            s.close()

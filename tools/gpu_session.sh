@@ -5,7 +5,7 @@
 #   tools/gpu_session.sh tests FILE...          the `gpu` tests of these files
 #   tools/gpu_session.sh first-load ARGS...     bench/first_load.py ARGS
 #   tools/gpu_session.sh verify                 bench/verify.py
-#   tools/gpu_session.sh hash                   bench/hash.py on this machine's cores
+#   tools/gpu_session.sh hash [ARGS]            bench/hash.py on this machine's cores
 #   tools/gpu_session.sh vllm-tests ARGS...     the vLLM GPU tests (needs every vLLM part)
 #   tools/gpu_session.sh vllm-restart ARGS...   bench/vllm_restart.py ARGS (needs every vLLM part)
 #   tools/gpu_session.sh check                  versions, GPU, /dev/shm
@@ -49,14 +49,15 @@ case "$what" in
     python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu "$@" 2>&1 | tee -a "$OUT/gpu-tests.log" | tail -40
     ;;
   first-load)
-    python3 bench/first_load.py --out "$OUT/first-load.json" "$@" 2>&1 | tee -a "$OUT/first-load.log" | tail -40
+    python3 bench/first_load.py "$@" 2>&1 | tee -a "$OUT/first-load.log" | tail -40
     cp bench/results/first-load-*.json "$OUT/" 2>/dev/null
     ;;
   verify)
     python3 bench/verify.py --out "$OUT/verify.json" 2>&1 | tee "$OUT/verify.log" | tail -30
     ;;
   hash)
-    python3 bench/hash.py --files 4 --file-mb 2048 --threads 1 4 8 16 --out "$OUT/hash.json" 2>&1 \
+    [ $# -gt 0 ] || set -- --files 4 --file-mb 2048 --threads 1 4 8 16
+    python3 bench/hash.py --out "$OUT/hash.json" "$@" 2>&1 \
       | tee "$OUT/hash.log" | tail -20
     ;;
   vllm-tests)

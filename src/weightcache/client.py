@@ -143,11 +143,16 @@ class _Watch:
         self._pid = os.getpid()  # a forked child shares the epoll instance: it leaves it alone
 
     def add(self, sock: socket.socket, on_lost) -> None:
+        thread = None
         with self._lock:
             self._sel.register(sock, selectors.EVENT_READ, on_lost)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="weightcache-watch", daemon=True)
-                self._thread.start()
+            current = self._thread
+            if current is None or (current.ident is not None and not current.is_alive()):
+                thread = self._thread = threading.Thread(target=self._run, name="weightcache-watch", daemon=True)
+        # started without the lock: until start() returns, the new thread may run a finalizer (a GC pass) that
+        # calls forget() and needs it
+        if thread is not None:
+            thread.start()
 
     def forget(self, sock: socket.socket) -> None:
         if os.getpid() != self._pid:
