@@ -145,3 +145,17 @@ def test_other_arguments_take_the_full_path(ckpt, env, tmp_path, started):
     env2 = dict(env, WEIGHTCACHE_LOAD_IO="mmap")  # another relevant environment: another record
     assert record.record_id([str(a) for a in args], environ=env2) != record.record_id([str(a) for a in args],
                                                                                      environ=env)
+
+
+@pytest.mark.parametrize("engine", ["transformers", "safetensors"])
+def test_the_first_start_leaves_the_engine_to_the_daemons(ckpt, env, tmp_path, started, engine):
+    """The front end and the supervisor import no torch and no transformers on a full start, one rank per
+    group: the daemons import them in parallel, while the checkpoint is hashed."""
+    sdir, mods = tmp_path / "s", tmp_path / "mods"
+    first = Preload([ckpt, "--device", "cpu", "--engine", engine, "--weight-cache-socket-dir", sdir], env,
+                    tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    imported = _imported(mods)
+    assert "torch" in imported["main-r0"], "the daemon loads with torch"
+    assert not set(ENGINES) & imported["supervisor"], set(ENGINES) & imported["supervisor"]

@@ -240,8 +240,8 @@ def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_
     port = int(re.search(r"health http://127\.0\.0\.1:(\d+)/health", line).group(1))
     status = httpx.get(f"http://127.0.0.1:{port}/status").json()
     groups = {g["role"]: g for g in status["groups"]}
-    assert groups["main"]["master_port"] != groups["draft"]["master_port"]
-    assert all(g["master_port"] > 0 for g in groups.values())
+    # one node, each rank loads alone: the groups meet in process, no store listens on a port
+    assert groups["main"]["master_port"] == groups["draft"]["master_port"] == 0
     keys = {d["role"]: d["status"]["key"] for d in status["daemons"]}
     assert keys["main"]["content_digest"] != keys["draft"]["content_digest"]
     assert keys["draft"]["role"] == "draft"

@@ -154,12 +154,16 @@ class Daemon:
         for b in self._blocks:
             b.seal()
         if not self.adopted:
+            t = time.monotonic()
             self.guard.record(manifest, self._blocks)
+            self.phases["digests"] = time.monotonic() - t
         self.manifest = manifest
         self._attached_frame = wire.encode(wire.Attached(key=self.key, manifest=manifest, nfds=len(self._blocks)))
         self._load_seconds = time.monotonic() - t0
         if not self.adopted:
+            t = time.monotonic()
             self._deposit(manifest)
+            self.phases["deposit"] = time.monotonic() - t
         self.state = "ready"
         self._ready_seconds = time.monotonic() - self._started_mono
         self.guard.start_scrub(self.verify_resident, self._stop)

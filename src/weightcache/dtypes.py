@@ -42,6 +42,15 @@ def itemsize(name: str) -> int:
     return size if size is not None else parse_dtype(name).itemsize
 
 
+def known_name(name: str) -> str:
+    """A dtype name without its "torch." prefix, checked: by the table where it knows the name (no torch), else
+    by torch. ValueError for an unknown one."""
+    bare = name.removeprefix("torch.")
+    if bare not in _ITEMSIZE:
+        parse_dtype(bare)
+    return bare
+
+
 @functools.cache
 def parse_dtype(name: str):
     """The ``torch.dtype`` of a name ("bfloat16", "torch.float8_e4m3fn"); ValueError for an unknown one."""

@@ -35,6 +35,23 @@ def uuid_of(index: int) -> str | None:
         return None
 
 
+def cuda_device_count() -> int | None:
+    """How many CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), from the driver: 0 without a
+    driver or device; None where cuda-bindings is missing (ask torch then)."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+    try:
+        (err,) = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return 0
+        err, count = cu.cuDeviceGetCount()
+        return int(count) if err == cu.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # noqa: BLE001 - an unexpected bindings API: ask torch
+        return None
+
+
 class DeviceSpec(NamedTuple):
     """Where a daemon's memory lives, without torch: "cpu" or ("cuda", index)."""
 

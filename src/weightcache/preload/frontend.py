@@ -292,6 +292,19 @@ def _tp_plan(text: str | None):
     return plan
 
 
+def cuda_device_count() -> int:
+    """Visible CUDA devices, from the driver (no torch: the daemons import it, in parallel); torch where
+    cuda-bindings is missing."""
+    from ..gpus import cuda_device_count as from_driver
+
+    count = from_driver()
+    if count is None:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return count
+
+
 def preload_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="weightcache preload", description=PRELOAD_DESCRIPTION,
                                      epilog=PRELOAD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,13 +331,12 @@ def _preload(args, argv: list[str]) -> int:
         if path and not Path(path).exists():
             raise UsageError(f"{name} {path}: no such file or directory")
     device = args.device
-    import torch
-
+    visible = 0 if device == "cpu" else cuda_device_count()
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+        device = "cuda" if visible else "cpu"
+    if device == "cuda" and not visible:
         raise UsageError("--device cuda but no CUDA device is visible (check CUDA_VISIBLE_DEVICES / drivers)")
-    local_devices = torch.cuda.device_count() if device == "cuda" else None
+    local_devices = visible if device == "cuda" else None
     main_layout, draft_layout = layouts_from_args(args, device, local_devices)
     main_port, draft_port = resolve_ports(args, main_layout.nodes, draft_layout is not None)
     master_addr = args.master_addr or args.data_parallel_address or "127.0.0.1"
@@ -367,11 +379,10 @@ def _preload(args, argv: list[str]) -> int:
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":
-            from ..dtypes import dtype_name
-            from ..integrations.transformers.compat import resolve_dtype
+            from ..integrations.transformers.config import resolve_dtype_name
 
             try:
-                src_dtype = dtype_name(resolve_dtype(path, dtype))  # what from_pretrained would load
+                src_dtype = resolve_dtype_name(path, dtype)  # what from_pretrained would load
             except (OSError, ValueError) as e:
                 raise UsageError(f"{role} model {path}: {e}") from None
             if args.tensor_parallel_size > 1 and not port:

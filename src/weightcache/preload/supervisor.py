@@ -171,7 +171,7 @@ class Supervisor:
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,
                              nnodes=g.layout.nodes, node_rank=g.layout.this_node, timeout=self.rendezvous_timeout,
-                             local=self.local_rendezvous)
+                             local=self.local_rendezvous or (g.layout.nodes == 1 and g.loads_alone and not g.master_port))
             self.rendezvous[g.role] = rdv
             g.master_port = rdv.start()
         n = sum(len(g.layout.local_placements()) for g in self.groups)

@@ -18,6 +18,7 @@ parameter falls back to its module's rule. Style semantics follow ``transformers
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -63,15 +64,24 @@ class TPPlanError(WeightCacheError, ValueError):
     """A tensor-parallel plan that cannot be applied to a checkpoint."""
 
 
-try:  # transformers' own name generalisation (public in transformers.distributed.tensor_parallel)
-    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
-except Exception:  # pragma: no cover - older/newer transformers or none at all
+@functools.cache
+def _wildcard_of():
+    """transformers' own name generalisation (public in transformers.distributed.tensor_parallel), imported on
+    first use: checking a TP size needs no transformers."""
     try:
-        from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
-    except Exception:
+        from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
+    except Exception:  # pragma: no cover - older/newer transformers or none at all
+        try:
+            from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
+        except Exception:
 
-        def replace_layer_number_by_wildcard(name: str) -> str:
-            return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+            def replace_layer_number_by_wildcard(name: str) -> str:
+                return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+    return replace_layer_number_by_wildcard
+
+
+def replace_layer_number_by_wildcard(name: str) -> str:
+    return _wildcard_of()(name)
 
 
 @dataclass(frozen=True)

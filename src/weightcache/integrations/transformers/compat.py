@@ -16,18 +16,17 @@ import contextlib
 import contextvars
 import functools
 import importlib.metadata
-import json
 import re
-import struct
 from pathlib import Path
 
 import torch
 
 from ...digests import checkpoint_digest, config_digest
-from ...dtypes import FLOAT_CODES, dtype_name, from_safetensors, parse_dtype
+from ...dtypes import dtype_name, parse_dtype
 from ...errors import WeightCacheError
 from ...key import CacheKey
 from ..model_state import Rules, walkable_in
+from .config import read_config, resolve_dtype_name
 
 ENGINE = "transformers"
 LOADER = "from_pretrained"  # key extra: the weights are what transformers' own loader built
@@ -48,60 +47,13 @@ class UnsupportedModel(WeightCacheError, ValueError):
 # ---- identity -------------------------------------------------------------------------------------------------
 
 
-def read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a transformers checkpoint directory") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: not a model config (a JSON {type(cfg).__name__}, not an object)")
-    return cfg
-
-
-def _checkpoint_float_dtype(model_dir: Path) -> torch.dtype | None:
-    """What transformers' dtype="auto" falls back to without a config dtype: the index's metadata, else
-    the first floating-point tensor of the first weight file (its header only)."""
-    index = model_dir / "model.safetensors.index.json"
-    files = [model_dir / "model.safetensors"]
-    if index.exists():
-        meta = json.loads(index.read_text())
-        if isinstance(meta.get("metadata"), dict) and meta["metadata"].get("dtype"):
-            return parse_dtype(str(meta["metadata"]["dtype"]))
-        files = [model_dir / f for f in sorted(set(meta.get("weight_map", {}).values()))]
-    for f in files[:1]:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(min(n, 100 << 20)))
-        except (OSError, ValueError, struct.error):
-            return None
-        for name, entry in header.items():
-            if name != "__metadata__" and entry.get("dtype") in FLOAT_CODES:
-                return from_safetensors(entry["dtype"])
-    return None
-
-
 def resolve_dtype(model_dir: str | Path, dtype=None, *, config: dict | None = None) -> torch.dtype:
-    """The dtype ``from_pretrained`` loads with: an explicit dtype, else ("auto"/None) the config's
-    ``dtype``/``torch_dtype``, else the checkpoint's floating-point dtype, else float32."""
+    """The dtype ``from_pretrained`` loads with (``config.resolve_dtype_name``); a torch.dtype is kept."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is not None and not isinstance(dtype, str):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or 'auto', not {type(dtype).__name__}")
-    if dtype not in (None, "auto"):
-        try:
-            return parse_dtype(dtype)
-        except ValueError:
-            raise ValueError(f"unknown dtype {dtype!r}: use 'auto' or a torch dtype name such as 'bfloat16'") from None
-    model_dir = Path(model_dir)
-    cfg = config if config is not None else read_config(model_dir)
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    if isinstance(name, str) and name != "auto":
-        return parse_dtype(name)
-    return _checkpoint_float_dtype(model_dir) or torch.float32
+    return parse_dtype(resolve_dtype_name(model_dir, dtype, config=config))
 
 
 def snapshot_revision(model_dir: str | Path) -> str:

@@ -97,7 +97,8 @@ class _Observe(LoadingSteps):
     def finalize(self, original, model, *args, **kwargs):
         info = original(model, *args, **kwargs)
         self.after = model_state.python_state(model, RULES)
-        self.phases["finalize"] = time.monotonic() - getattr(self, "_t1", self._t0)
+        self._t2 = time.monotonic()
+        self.phases["finalize"] = self._t2 - getattr(self, "_t1", self._t0)
         return info
 
 
@@ -116,6 +117,8 @@ def build_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devi
                      revision=revision, distributed_config=distributed_config)
     with intercept_loading(observe):
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kw)
+    if hasattr(observe, "_t2"):
+        observe.phases["after finalize"] = time.monotonic() - observe._t2
     if observe.before is None or observe.after is None:
         raise UnsupportedModel(f"{type(model).__name__}.from_pretrained did not run transformers' loading steps; "
                                "this model cannot be captured")
@@ -229,7 +232,9 @@ class TransformersSource(Producer):
                                       trust_remote_code=self.trust_remote_code, revision=self.revision or None,
                                       distributed_config=dist_config, read=read, report=daemon._progress)
             daemon.phases.update(seen.phases)
+            t1 = time.monotonic()
             tensors, roles = capture(model, seen.before, seen.after, seen.conversions_used)
+            daemon.phases["capture"] = time.monotonic() - t1
             log.info("%s rank %d: %d tensors (%.1f MiB) from transformers' from_pretrained (%s read the checkpoint"
                      "%s)", self.role, p.rank, len(tensors),
                      sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
