@@ -159,3 +159,42 @@ def test_the_first_start_leaves_the_engine_to_the_daemons(ckpt, env, tmp_path, s
     imported = _imported(mods)
     assert "torch" in imported["main-r0"], "the daemon loads with torch"
     assert not set(ENGINES) & imported["supervisor"], set(ENGINES) & imported["supervisor"]
+
+
+def test_the_record_names_the_preload_as_it_started(monkeypatch):
+    """An engine imported after the start sets variables of its own (vLLM's, torch's): the record written at
+    READY and the restart that looks for it agree on its name all the same."""
+    monkeypatch.delenv("VLLM_SOMETHING_SET_BY_THE_ENGINE", raising=False)
+    monkeypatch.setattr(record, "_AT_START", {})
+    argv = ["/models/m", "--engine", "vllm"]
+    record.note_start()
+    at_start = record.record_id(argv)
+    monkeypatch.setenv("VLLM_SOMETHING_SET_BY_THE_ENGINE", "1")
+    assert record.record_id(argv) == at_start
+    assert record.record_id(argv, environ=dict(os.environ)) != at_start  # an explicit environment still counts
+
+
+def test_a_vllm_preload_run_again_comes_back_without_vllm(ckpt, env, tmp_path, started):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    sdir, mods = tmp_path / "s", tmp_path / "mods"
+    args = [ckpt, "--engine", "vllm", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", 256,
+            "--weight-cache-socket-dir", sdir]
+    first = Preload(args, env, tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    socks = sorted(str(p) for p in sdir.glob("*.sock"))
+    served = {s: block_digests(s) for s in socks}
+    sigkill_all(first)
+    _held_by_nobody(sdir, 1)
+    for f in mods.glob("*"):
+        f.unlink()
+    again = Preload(args, env, tmp_path, "p2")
+    started.append(again)
+    again.wait_ready()
+    assert "restarting from preload-" in again.stderr and "starting again in full" not in again.stderr, again.stderr
+    for who, names in _imported(mods).items():
+        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    assert sorted(str(p) for p in sdir.glob("*.sock")) == socks
+    assert {s: block_digests(s) for s in socks} == served
+    sigkill_all(again)
+    _held_by_nobody(sdir, 1)

@@ -31,10 +31,20 @@ def test_fine_tune_with_same_layout_gets_another_digest(tmp_path):
 
 
 def test_key_abi_marks_the_digest_format(tmp_path):
-    """ABI 2: content digests are BLAKE3 trees ("blake3:"); an ABI-1 key (SHA-256 digests) never matches."""
+    """ABI 3: content digests are BLAKE3 trees ("blake3:"), the short hash is canonical; an older key never
+    matches."""
     k = CacheKey(model="m", content_digest=checkpoint_digest(_ckpt(tmp_path / "a", 0)))
-    assert k.abi == 2 and k.content_digest.startswith("blake3:")
-    assert [d.field for d in diff(k, k.replace(abi=1))] == ["abi"]
+    assert k.abi == 3 and k.content_digest.startswith("blake3:")
+    assert [d.field for d in diff(k, k.replace(abi=2))] == ["abi"]
+
+
+def test_short_hash_ignores_the_order_extra_was_built_in():
+    """A key read back from JSON (a restart record, the wire) names the same socket as the one the engine built,
+    whatever order its `extra` fields came in."""
+    built = CacheKey(model="m", content_digest="x", extra={"kernels": "auto", "arch": "Llama", "kv": "auto"})
+    read_back = CacheKey(model="m", content_digest="x", extra=dict(sorted(built.extra.items())))
+    assert built == read_back
+    assert built.short_hash() == read_back.short_hash()
 
 
 def test_diff_names_each_field():

@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(argv[1:]) or 0
     if argv and argv[0] == "preload":
         rest = argv[1:]
+        from .preload import record
         from .preload.restart import restart
+
+        record.note_start()  # before any engine adds its own environment variables
 
         code = restart(rest)  # the same preload again, its caches held: back without the engine
         if code is not None:

@@ -11,7 +11,11 @@ from .errors import KeyMismatch
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # 2: content digests are BLAKE3 trees over 16 MiB chunks (digests.py), no longer SHA-256
+# 2: content digests are BLAKE3 trees over 16 MiB chunks (digests.py), no longer SHA-256
+# 3: the short hash (socket names) encodes `extra` in sorted order, whoever built the key
+ABI_VERSION = 3
+_CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
+
 
 class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     model: str
@@ -28,7 +32,7 @@ class CacheKey(msgspec.Struct, frozen=True, kw_only=True):
     extra: dict[str, str] = {}
 
     def short_hash(self) -> str:
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:12]
+        return hashlib.sha256(_CANONICAL.encode(self)).hexdigest()[:12]
 
     def replace(self, **changes) -> CacheKey:
         return msgspec.structs.replace(self, **changes)

@@ -35,12 +35,23 @@ def relevant_env(environ=None) -> dict[str, str]:
             if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and k not in SKIP_ENV}
 
 
+_AT_START: dict = {}
+
+
+def note_start() -> None:
+    """Remember the environment and directory the command started with: engines imported later set variables
+    of their own (vLLM's, torch's), and the record must name the preload as the user started it."""
+    _AT_START.update(env=relevant_env(), cwd=os.getcwd())
+
+
 def record_id(argv: list[str], cwd: str | None = None, environ=None) -> str:
-    """Which preload this is: its arguments, working directory, Python and relevant environment."""
+    """Which preload this is: its arguments, working directory, Python and relevant environment (as the
+    command started, where ``note_start`` ran)."""
     from ..key import ABI_VERSION
 
-    what = {"argv": list(argv), "cwd": cwd or os.getcwd(), "python": sys.executable, "env": relevant_env(environ),
-            "abi": ABI_VERSION}
+    env = relevant_env(environ) if environ is not None or "env" not in _AT_START else _AT_START["env"]
+    what = {"argv": list(argv), "cwd": cwd or _AT_START.get("cwd") or os.getcwd(), "python": sys.executable,
+            "env": env, "abi": ABI_VERSION}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
