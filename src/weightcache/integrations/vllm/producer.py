@@ -251,10 +251,12 @@ class VllmSource(Producer):
                 read = ReadSettings.make(progress=p.local_index == 0) if self.reader == "weightcache" else None
                 model, before = build_model(cfg, model_config, prefix=prefix, read=read, report=daemon._progress,
                                             phases=daemon.phases)
+            t1 = time.monotonic()
             tensors, roles = capture(model, before)
             del before
             if p.device.startswith("cuda"):
                 torch.cuda.empty_cache()  # post-processing's transients must not sit under the first arena block
+            daemon.phases["capture"] = time.monotonic() - t1
             log.info("%s rank %d: %d tensors (%.1f MiB) from vLLM's loader (%s read the checkpoint)", self.role,
                      p.rank, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
                      "weightcache's reader" if read is not None else "vLLM")
