@@ -171,8 +171,24 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
+def _open_the_gpu(index: int) -> None:
+    """The driver's start (cuInit) and the device's primary context, kept for the process's life: made in the
+    background while the daemon imports its modules (the driver releases the GIL)."""
+    with contextlib.suppress(Exception):  # no bindings or no device: the daemon's own calls say why
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuInit(0)
+        if err == cu.CUresult.CUDA_SUCCESS:
+            err, dev = cu.cuDeviceGet(index)
+            if err == cu.CUresult.CUDA_SUCCESS:
+                cu.cuDevicePrimaryCtxRetain(dev)
+
+
 def child_main(spec: ChildSpec, conn, lifeline) -> None:
     """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
+    if spec.placement.device.startswith("cuda"):
+        threading.Thread(target=_open_the_gpu, args=(spec.placement.local_index,), name="wc-open-gpu",
+                         daemon=True).start()
     go, mode = threading.Event(), [GO]
     _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
     signal.signal(signal.SIGTERM, _raise_terminated)
