@@ -13,24 +13,29 @@ def uuid_text(raw: bytes) -> str:
     return str(uuid.UUID(bytes=bytes(raw)))
 
 
-def uuid_of(index: int) -> str | None:
-    """The UUID of visible device ``index``; None where the driver or cuda-bindings cannot say."""
+def _driver():
+    """NVIDIA's driver bindings, initialised: (module, None); (None, "missing") without cuda-bindings, (None,
+    "no driver") where cuInit fails (no driver or no device)."""
     try:
         from cuda.bindings import driver as cu
     except ImportError:
-        return None
+        return None, "missing"
+    (err,) = cu.cuInit(0)
+    return (cu, None) if err == cu.CUresult.CUDA_SUCCESS else (None, "no driver")
+
+
+def uuid_of(index: int) -> str | None:
+    """The UUID of visible device ``index``; None where the driver or cuda-bindings cannot say."""
     try:
-        (err,) = cu.cuInit(0)
-        if err != cu.CUresult.CUDA_SUCCESS:
+        cu, _ = _driver()
+        if cu is None:
             return None
         err, dev = cu.cuDeviceGet(index)
         if err != cu.CUresult.CUDA_SUCCESS:
             return None
         get = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
         err, got = get(dev)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            return None
-        return uuid_text(got.bytes)
+        return uuid_text(got.bytes) if err == cu.CUresult.CUDA_SUCCESS else None
     except Exception:  # noqa: BLE001 - an unexpected bindings API: unknown, not an error
         return None
 
@@ -39,13 +44,9 @@ def cuda_device_count() -> int | None:
     """How many CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), from the driver: 0 without a
     driver or device; None where cuda-bindings is missing (ask torch then)."""
     try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        return None
-    try:
-        (err,) = cu.cuInit(0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            return 0
+        cu, why = _driver()
+        if cu is None:
+            return None if why == "missing" else 0
         err, count = cu.cuDeviceGetCount()
         return int(count) if err == cu.CUresult.CUDA_SUCCESS else 0
     except Exception:  # noqa: BLE001 - an unexpected bindings API: ask torch
