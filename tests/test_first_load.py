@@ -142,3 +142,20 @@ def test_fp8_reads_through_the_stream_on_the_gpu(tmp_path):
     ckpt = make_fp8_checkpoint(tmp_path / "q", "qwen3", hidden_size=256, intermediate_size=384)
     ref, fast, _, _ = _both(ckpt, device="cuda", dtype=torch.bfloat16)
     assert parity(_state(ref), _state(fast)) == []
+
+
+def test_a_checkpoint_the_reader_cannot_read_is_read_by_transformers_with_one_warning(tmp_path, caplog):
+    """A pytorch_model.bin checkpoint: weightcache's reader steps aside in one warning line, transformers reads
+    it itself, and the model is the one transformers builds alone."""
+    from safetensors.torch import load_file
+
+    ckpt = make_llama_checkpoint(tmp_path / "m", seed=3, hidden_size=64, intermediate_size=128, num_layers=1,
+                                 num_heads=2, num_kv_heads=1, vocab_size=320)
+    weights = ckpt / "model.safetensors"
+    torch.save(load_file(weights), ckpt / "pytorch_model.bin")
+    weights.unlink()
+    with caplog.at_level("WARNING", logger="weightcache"):
+        ref, fast, seen, _ = _both(ckpt)
+    lines = [r.getMessage() for r in caplog.records if "is not safetensors" in r.getMessage()]
+    assert lines == ["pytorch_model.bin is not safetensors: transformers reads this checkpoint itself (slower)"]
+    assert parity(_state(ref), _state(fast)) == []
