@@ -71,7 +71,7 @@ class ChildSpec:
     loads_alone: bool = True
     expect_key: CacheKey | None = None  # a replacement daemon must compute exactly this key
     gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
-    preimport: tuple = ()  # modules a load will need, imported while the daemon waits for "go"
+    preimport: tuple = ()  # modules a load will need, imported from the daemon's start, beside its other work
     scrub_interval: float = 0.0  # seconds between re-hashes of the resident weights (0: none)
 
 
@@ -189,6 +189,8 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     if spec.placement.device.startswith("cuda"):
         threading.Thread(target=_open_the_gpu, args=(spec.placement.local_index,), name="wc-open-gpu",
                          daemon=True).start()
+    if spec.preimport:  # the engine's modules, imported while the key waits for the checkpoint's digest
+        threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport", daemon=True).start()
     go, mode = threading.Event(), [GO]
     _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -235,8 +237,6 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         daemon.start()
         _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
               gpu_uuid=daemon._gpu_uuid)
-        if spec.preimport:
-            threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport", daemon=True).start()
         while not go.wait(0.5):
             pass
         if mode[0] != LOAD and daemon.adopt():
