@@ -92,27 +92,25 @@ def _request(sock: socket.socket, msg, path: str, timeout: float):
     return reply
 
 
-def query_status(path: str | Path, timeout: float = 2.0) -> wire.DaemonStatus:
-    sock = _connect(path, timeout)
+def _ask(path: str | Path, request, expected: type, what: str, timeout: float, connect_timeout: float):
+    """One request on a connection of its own, and its reply of type ``expected`` ("a `what` reply")."""
+    sock = _connect(path, connect_timeout)
     try:
-        reply = _request(sock, wire.StatusRequest(), str(path), timeout)
+        reply = _request(sock, request, str(path), timeout)
     finally:
         sock.close()
-    if not isinstance(reply, wire.DaemonStatus):
-        raise ProtocolError(f"{path}: expected a status reply, got {type(reply).__name__}")
+    if not isinstance(reply, expected):
+        raise ProtocolError(f"{path}: expected a {what} reply, got {type(reply).__name__}")
     return reply
+
+
+def query_status(path: str | Path, timeout: float = 2.0) -> wire.DaemonStatus:
+    return _ask(path, wire.StatusRequest(), wire.DaemonStatus, "status", timeout, timeout)
 
 
 def request_verify(path: str | Path, timeout: float = 300.0) -> wire.VerifyReport:
     """Ask a daemon to re-hash its resident bytes (on its own device) against the digests it recorded."""
-    sock = _connect(path, min(timeout, 10.0))
-    try:
-        reply = _request(sock, wire.VerifyRequest(), str(path), timeout)
-    finally:
-        sock.close()
-    if not isinstance(reply, wire.VerifyReport):
-        raise ProtocolError(f"{path}: expected a verify reply, got {type(reply).__name__}")
-    return reply
+    return _ask(path, wire.VerifyRequest(), wire.VerifyReport, "verify", timeout, min(timeout, 10.0))
 
 
 def wait_ready(path: str | Path, timeout: float, on_progress=None, poll: float = 0.2) -> wire.DaemonStatus:
