@@ -62,23 +62,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------------ status
 
-def status_main(args) -> int:
+def _daemons_dir(args, command: str) -> tuple[Path | None, int]:
+    """The socket directory `status` and `verify` read: (it, 0); or (None, exit code) once said why not (no
+    default directory yet is no daemon, not an error)."""
     from .errors import WeightCacheError
     from .sockets import check_private_dir, default_socket_dir_path
-    from .status_table import collect, format_table
 
     socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir_path()
     if not socket_dir.is_dir():
         if not args.socket_dir:
             print(f"no weight cache daemons ({socket_dir} does not exist)")
-            return 0
-        print(f"weightcache status: error: {socket_dir} is not a directory", file=sys.stderr)
-        return 2
+            return None, 0
+        print(f"weightcache {command}: error: {socket_dir} is not a directory", file=sys.stderr)
+        return None, 2
     try:
         check_private_dir(socket_dir)  # a socket in a directory others can write may be anyone's
     except WeightCacheError as e:
-        print(f"weightcache status: error: {e}", file=sys.stderr)
-        return 2
+        print(f"weightcache {command}: error: {e}", file=sys.stderr)
+        return None, 2
+    return socket_dir, 0
+
+
+def status_main(args) -> int:
+    from .errors import WeightCacheError
+    from .status_table import collect, format_table
+
+    socket_dir, code = _daemons_dir(args, "status")
+    if socket_dir is None:
+        return code
     rows = collect(socket_dir, timeout=args.timeout)
     try:
         held = _held_line(socket_dir, args.timeout)
@@ -127,23 +138,14 @@ def verify_main(args) -> int:
     from .client import request_verify
     from .errors import DaemonUnavailable, WeightCacheError
     from .progress import human_bytes
-    from .sockets import check_private_dir, daemon_sockets, default_socket_dir_path
+    from .sockets import daemon_sockets
 
     if not args.timeout > 0:
         print(f"weightcache verify: error: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
         return 2
-    socket_dir = Path(args.socket_dir) if args.socket_dir else default_socket_dir_path()
-    if not socket_dir.is_dir():
-        if not args.socket_dir:
-            print(f"no weight cache daemons ({socket_dir} does not exist)")
-            return 0
-        print(f"weightcache verify: error: {socket_dir} is not a directory", file=sys.stderr)
-        return 2
-    try:
-        check_private_dir(socket_dir)
-    except WeightCacheError as e:
-        print(f"weightcache verify: error: {e}", file=sys.stderr)
-        return 2
+    socket_dir, code = _daemons_dir(args, "verify")
+    if socket_dir is None:
+        return code
     rows = []
     for path in daemon_sockets(socket_dir):
         row = {"socket": str(path), "result": "", "message": "", "report": None}
