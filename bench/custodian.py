@@ -36,14 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child_env import with_src_on_path  # noqa: E402
+from child_env import free_port, with_src_on_path  # noqa: E402
 from restart import digest_and_warm, ensure_checkpoint, preset_shapes, warm_page_cache  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5.0):

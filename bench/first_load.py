@@ -23,7 +23,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,9 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from child_env import free_port, with_env  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "src"))
 ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
            VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1")
@@ -59,18 +61,8 @@ print(json.dumps({"bytes": n, "load_seconds": t2 - t1, "imports_seconds": t1 - t
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def env_with(**extra) -> dict:
-    e = dict(os.environ)
-    e.update(ENV)
-    e["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
+    return with_env(ENV, **extra)
 
 
 class Gpu:

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from child_env import free_port, with_env  # noqa: E402
+
 ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_USE_FLASHINFER_SAMPLER="0",
            PYTHONUNBUFFERED="1")
 # (phase, the log text that ends it), in the order a start goes through them
@@ -46,18 +48,8 @@ LOAD_SECONDS = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) 
 PROMPT = "The weight cache keeps the model"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def env_with(**extra) -> dict:
-    e = dict(os.environ)
-    e.update(ENV)
-    e["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
+    return with_env(ENV, **extra)
 
 
 class Server:

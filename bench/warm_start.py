@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from child_env import free_port  # noqa: E402
+
 TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2, vocab_size=512)
 ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
 CPU_CHILD_ENV = ("LD_PRELOAD", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
@@ -47,12 +49,6 @@ MARKS = (("api", re.compile(r"^\(APIServer pid=")), ("core", re.compile(r"^\(Eng
 PHASES = (("imports", "start -> API server's first line"), ("core", "-> engine core's first line"),
           ("worker", "-> worker's first line"), ("health", "-> /health 200"), ("completion", "-> first completion"),
           ("total", "start -> first completion"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_warm(sockdir: Path, env: dict, ignore: tuple[str, ...]) -> tuple[subprocess.Popen, float, list[str]]:
