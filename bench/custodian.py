@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child_env import free_port, with_src_on_path  # noqa: E402
+from child_env import free_port, kill_and_reap, with_src_on_path  # noqa: E402
 from restart import digest_and_warm, ensure_checkpoint, preset_shapes, warm_page_cache  # noqa: E402
 
 
@@ -73,14 +73,7 @@ class Preload:
     def sigkill_all(self) -> None:
         import psutil
 
-        pids = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        psutil.wait_procs([p for p in map(_proc, pids) if p], timeout=30)
+        kill_and_reap(self.proc, [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)])
 
     def stop(self) -> None:
         if self.proc.poll() is None:

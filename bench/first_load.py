@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import shutil
@@ -33,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from child_env import free_port, with_env  # noqa: E402
+from child_env import free_port, kill_and_reap, with_env  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))
 ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -140,16 +139,7 @@ class Preload:
             return []
 
     def sigkill_all(self) -> None:
-        import psutil
-
-        pids = self.pids()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=30)
+        kill_and_reap(self.proc, self.pids())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
