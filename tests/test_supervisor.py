@@ -228,6 +228,49 @@ def test_health_metrics_status_and_sigterm(ckpts, env, tmp_path, preloads):
         httpx.get(url + "/health", timeout=2)
 
 
+def test_a_first_load_runs_while_the_checkpoint_is_hashed(ckpts, env, tmp_path, preloads):
+    """Nothing is held to take over: the daemons load at once and their keys (the checkpoint's digest) come
+    meanwhile. Here another hasher's lock holds the digest back, so the load ends first and waits for it."""
+    import fcntl
+
+    sdir = tmp_path / "s"
+    lock = os.open(ckpts["a"], os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as another process hashing these files holds it
+    try:
+        p = Preload([ckpts["a"], "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", sdir], env, tmp_path)
+        preloads.append(p)
+        deadline = time.monotonic() + 120
+        while p.stderr.count("loaded; waiting for the checkpoint's digest") < 2:
+            assert time.monotonic() < deadline and p.proc.poll() is None, p.stderr
+            time.sleep(0.1)
+        assert "main: nothing held to take over: loading while the checkpoint is hashed" in p.stderr
+        assert not p.out and sockets(sdir) == [], "no socket, no READY before the key is known"
+        time.sleep(2.0)
+    finally:
+        os.close(lock)
+    line = p.wait_ready()
+    assert "2 rank(s) x 1 role(s)" in line
+    from weightcache.client import query_status
+
+    for name in sockets(sdir):
+        if name.startswith("main-"):
+            st = query_status(sdir / name)
+            assert st.state == "ready" and st.held and st.phases["key wait"] >= 1.5
+            assert st.load_seconds < st.phases["key wait"], "the wait for the key is not the load's time"
+
+    # run again beside the custodian's caches: no early load, the caches are taken over
+    pids = p.descendants()
+    p.proc.send_signal(signal.SIGKILL)
+    p.wait()
+    gone(pids)
+    again = Preload([ckpts["a"], "-tp", "2", "--device", "cpu", "--weight-cache-socket-dir", sdir], env, tmp_path,
+                    name="again")
+    preloads.append(again)
+    again.wait_ready()
+    assert "loading while the checkpoint is hashed" not in again.stderr
+    assert "took their weights from the custodian" in again.stderr
+
+
 def test_draft_group_and_sigkilled_supervisor_leaves_no_orphans(ckpts, env, tmp_path, preloads):
     sdir = tmp_path / "s"
     p = Preload([ckpts["a"], "--draft-model", ckpts["b"], "--device", "cpu", "--weight-cache-socket-dir", sdir,

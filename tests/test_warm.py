@@ -398,6 +398,20 @@ def test_fallback_when_no_warm_interpreter_runs(sockdir, fake_pkg, engine_script
     assert cp.returncode == 4
 
 
+def test_the_warm_interpreter_is_found_where_the_engine_finds_its_weights(warm, engine_script):
+    """Without --socket-dir, `weightcache run` looks beside the socket_dir the engine's command names."""
+    extra = json.dumps({"socket_dir": warm.sockdir})
+    for form in (["--model-loader-extra-config", extra], [f"--model-loader-extra-config={extra}"]):
+        argv = [PY, "-m", "weightcache.cli", "run", "--require-warm", "--", PY, str(engine_script), "report", *form]
+        cp = subprocess.run(argv, env=warm.env, capture_output=True, text=True, timeout=T, input="")
+        r = _report(cp)
+        assert r["warm"] and r["ppid"] == warm.proc.pid and r["argv"][-len(form):] == form
+    cp = subprocess.run([PY, "-m", "weightcache.cli", "run", "--require-warm", "--", PY, str(engine_script),
+                         "report", "--model-loader-extra-config", json.dumps({"socket_dir": warm.sockdir + "-x"})],
+                        env=warm.env, capture_output=True, text=True, timeout=T)
+    assert cp.returncode == 1 and f"{warm.sockdir}-x/warm.ctl does not exist" in cp.stderr
+
+
 def test_a_stale_or_foreign_socket_is_refused(sockdir, fake_pkg, engine_script):
     w = Warm(None, sockdir, _env(fake_pkg), [])
     stale = socket.socket(socket.AF_UNIX)

@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from . import integrity, wire
@@ -32,8 +32,8 @@ STATUS_RESERVE = 8  # connections past max_clients that may only ask for status
 class Daemon:
     def __init__(
         self,
-        socket_path: str | Path,
-        key: CacheKey,
+        socket_path: str | Path | None,
+        key: CacheKey | None,
         *,
         device="cpu",
         allowed_uids: Iterable[int] | None = None,
@@ -49,15 +49,19 @@ class Daemon:
         digest_chunk_bytes: int = integrity.DEFAULT_CHUNK_BYTES,
         scrub_interval: float = 0.0,
     ):
-        self.socket_path = Path(socket_path)
-        self.key = key
         self.device = DeviceSpec.of(device)
         self.block_bytes = block_bytes
         self.hello_timeout = hello_timeout
         self.idle_timeout = idle_timeout
-        self.server = UnixServer(self.socket_path, self._serve_connection, self._refuse, what="daemon",
-                                 allowed_uids=allowed_uids or (), max_clients=max_clients, max_per_peer=max_per_peer,
-                                 status_reserve=status_reserve)
+        self._server_args = dict(allowed_uids=allowed_uids or (), max_clients=max_clients,
+                                 max_per_peer=max_per_peer, status_reserve=status_reserve)
+        self._custodian = custodian
+        self._named = threading.Event()  # the socket and key are known (a load may begin before: see name())
+        self._unnamed_because: BaseException | None = None
+        self.socket_path: Path | None = None
+        self.key: CacheKey | None = None
+        self.server: UnixServer | None = None
+        self.handover: Handover | None = None  # the custodian: hands the cache to a replacement daemon
         self.info = dict(info or {})
         self.state = "starting"
         self.message = ""
@@ -76,8 +80,6 @@ class Daemon:
         self._attach_count = 0
         self._attach_buckets = [0] * len(wire.ATTACH_BUCKETS)
         self._gpu_uuid = ""
-        # the custodian: hands the cache to a replacement daemon; while connected, it knows we serve it
-        self.handover = Handover(custodian, self.socket_path.name) if custodian else None
         self.adopted = False  # the weights were taken over from the custodian, not loaded
         self.held = False  # the custodian holds a copy: the cache outlives this daemon
         self._started_mono = time.monotonic()
@@ -88,6 +90,43 @@ class Daemon:
         self.guard = ResidentGuard(self.device, digest_chunk_bytes, scrub_interval)
         if self.device.type == "cuda":
             self._gpu_uuid = gpu_uuid or self._torch_gpu_uuid()
+        if socket_path is not None and key is not None:
+            self.name(socket_path, key)
+
+    def name(self, socket_path: str | Path, key: CacheKey, *, start: bool = False,
+             then: Callable[[], None] | None = None) -> None:
+        """The socket and key, once known; with ``start`` the socket is bound, then ``then()`` runs. A daemon
+        made without them may begin to load while its key waits for the checkpoint's digest; its load waits for
+        this (``then`` included) before it seals and deposits the weights."""
+        self.socket_path, self.key = Path(socket_path), key
+        self.server = UnixServer(self.socket_path, self._serve_connection, self._refuse, what="daemon",
+                                 **self._server_args)
+        # while connected, the custodian knows we serve this cache
+        self.handover = Handover(self._custodian, self.socket_path.name) if self._custodian else None
+        if start:
+            self.start()
+        if then is not None:
+            then()
+        self._named.set()
+
+    def cannot_be_named(self, why: BaseException) -> None:
+        """The key could not be made: a load that waits for it ends with this error."""
+        self._unnamed_because = why
+        self._named.set()
+
+    def _await_name(self) -> float:
+        """Seconds waited for the key (none once named): not part of the load's time."""
+        if self._named.is_set():
+            return 0.0
+        log.info("loaded; waiting for the checkpoint's digest (the cache key)")
+        t = time.monotonic()
+        while not self._named.wait(0.5):
+            if self._stop.is_set():
+                raise RuntimeError("stopped while waiting for the cache key")
+        if self._unnamed_because is not None:
+            raise self._unnamed_because
+        self.phases["key wait"] = waited = time.monotonic() - t
+        return waited
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -150,6 +189,7 @@ class Daemon:
         manifest.gpu_uuid = self._gpu_uuid
 
     def _finish(self, manifest: Manifest, t0: float) -> None:
+        t0 += self._await_name()
         self._sample_peak()  # the sampler thread may not have run since the arena was allocated
         for b in self._blocks:
             b.seal()
@@ -319,7 +359,8 @@ class Daemon:
             return
         self._stop.set()
         self.state = "closed"
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         for b in self._blocks:
             b.close()  # memory lives on in attached engines (and the custodian) until they drop it
         self._blocks = []

@@ -73,6 +73,7 @@ class ChildSpec:
     gpu_uuid: str = ""  # known ahead (a restart from the preload's record): no torch needed to name the socket
     preimport: tuple = ()  # modules a load will need, imported from the daemon's start, beside its other work
     scrub_interval: float = 0.0  # seconds between re-hashes of the resident weights (0: none)
+    load_early: bool = False  # nothing held could be adopted: load at once, the key made beside the load
 
 
 class NotHeld(WeightCacheError):
@@ -144,19 +145,25 @@ class LazySource:
     def __init__(self, make: Callable, placement: Placement, args: dict):
         self._make, self._placement, self._args = make, placement, args
         self._source = None
+        self._lock = threading.Lock()  # the key's thread and the load may both ask for it first
 
     def get(self):
-        if self._source is None:
-            self._source = self._make(self._placement, **self._args)
-        return self._source
+        with self._lock:
+            if self._source is None:
+                self._source = self._make(self._placement, **self._args)
+            return self._source
 
     def __getattr__(self, name: str):
         return getattr(self.get(), name)
 
 
+_sending = threading.Lock()  # the key's thread may report while the load does
+
+
 def _send(conn, kind: str, **fields) -> None:
     try:
-        conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
+        with _sending:
+            conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
     except OSError:
         pass  # the supervisor is gone; the lifeline ends us
 
@@ -184,6 +191,36 @@ def _open_the_gpu(index: int) -> None:
                 cu.cuDevicePrimaryCtxRetain(dev)
 
 
+class KeyChanged(ValueError):
+    """A replacement daemon computed another key than the rank it replaces."""
+
+
+def _key_and_path(spec: ChildSpec, source) -> tuple:
+    """The rank's key (it waits for the checkpoint's digest) and the socket it is served on."""
+    from ..sockets import device_tag, socket_path, tag_of_uuid
+
+    p = spec.placement
+    key = spec.make_key(source, p, layout=spec.layout, role=spec.role, **spec.key_args)
+    if key.rank != p.rank or key.role != spec.role or key.layout != spec.layout:
+        raise ValueError(f"make_key returned rank {key.rank}/{key.role}/{key.layout} for rank {p.rank}/"
+                         f"{spec.role}/{spec.layout}")
+    if spec.expect_key is not None:
+        from ..key import diff
+
+        changed = diff(spec.expect_key, key)
+        if changed:
+            raise KeyChanged("the weights changed since this rank started (" + ", ".join(
+                f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
+    tag = tag_of_uuid(spec.gpu_uuid) if p.device.startswith("cuda") and spec.gpu_uuid else device_tag(p.device)
+    return key, socket_path(spec.socket_dir, key, tag)
+
+
+def _quietly(fn: Callable) -> None:
+    """Run fn on a thread whose failure is reported by the load that waits for it, not by the thread."""
+    with contextlib.suppress(BaseException):
+        fn()
+
+
 def child_main(spec: ChildSpec, conn, lifeline) -> None:
     """One daemon process: source -> key -> socket -> (go) -> load -> serve."""
     if spec.placement.device.startswith("cuda"):
@@ -203,7 +240,6 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     code = 0
     try:
         from ..daemon import Daemon
-        from ..sockets import device_tag, socket_path, tag_of_uuid
 
         if p.device.startswith("cuda") and spec.gpu_uuid:
             _check_gpu(p.local_index, spec.gpu_uuid)
@@ -212,36 +248,39 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
 
             torch.cuda.set_device(p.local_index)  # local index == device index
         source = LazySource(spec.make_source, p, spec.source_args)
-        key = spec.make_key(source, p, layout=spec.layout, role=spec.role, **spec.key_args)
-        if key.rank != p.rank or key.role != spec.role or key.layout != spec.layout:
-            raise ValueError(f"make_key returned rank {key.rank}/{key.role}/{key.layout} for rank {p.rank}/"
-                             f"{spec.role}/{spec.layout}")
-        if spec.expect_key is not None:
-            from ..key import diff
-
-            changed = diff(spec.expect_key, key)
-            if changed:
-                code = EXIT_KEY_CHANGED
-                raise ValueError("the weights changed since this rank started (" + ", ".join(
-                    f"{d.field}: {d.expected!r} -> {d.actual!r}" for d in changed) + "); restart preload")
-        tag = tag_of_uuid(spec.gpu_uuid) if p.device.startswith("cuda") and spec.gpu_uuid else device_tag(p.device)
-        path = socket_path(spec.socket_dir, key, tag)
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
         if spec.custodian:
             from ..handover import use_credential
 
             use_credential(spec.custodian, spec.custodian_token)
-        daemon = Daemon(path, key, device=p.device, info=info, custodian=spec.custodian or None,
+        daemon = Daemon(None, None, device=p.device, info=info, custodian=spec.custodian or None,
                         gpu_uuid=spec.gpu_uuid or None, scrub_interval=spec.scrub_interval)
-        daemon.start()
-        _send(conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
-              gpu_uuid=daemon._gpu_uuid)
-        while not go.wait(0.5):
-            pass
-        if mode[0] != LOAD and daemon.adopt():
+
+        def name_and_start() -> None:
+            nonlocal code
+            try:
+                key, path = _key_and_path(spec, source)
+                daemon.name(path, key, start=True, then=lambda: _send(
+                    conn, "started", socket=str(path), pid=os.getpid(), key=msgspec.to_builtins(key),
+                    gpu_uuid=daemon._gpu_uuid))
+            except BaseException as e:
+                if isinstance(e, KeyChanged):
+                    code = EXIT_KEY_CHANGED
+                daemon.cannot_be_named(e)
+                raise
+
+        if spec.load_early:  # nothing held could be adopted: the key (the checkpoint's digest) comes meanwhile
+            threading.Thread(target=_quietly, args=(name_and_start,), name="wc-key", daemon=True).start()
+            how = LOAD
+        else:
+            name_and_start()
+            while not go.wait(0.5):
+                pass
+            how = mode[0]
+        if how != LOAD and daemon.adopt():
             pass  # the custodian held this exact cache: served again without a load
-        elif mode[0] == ADOPT:
+        elif how == ADOPT:
             raise RuntimeError("the custodian holds no cache for this rank, and its source loads only together "
                                "with every rank of its group: restart preload")
         elif isinstance(source.get(), Producer):  # an engine's own loader builds the tensors; packed, sharing kept

@@ -200,6 +200,10 @@ class Custody:
         for name in gone.names:  # the sockets their killed daemons left behind
             remove_if_stale(self.socket_dir / name)
 
+    def holds_nothing(self) -> bool:
+        """True when no custodian is up, or the one that is held no cache when we registered."""
+        return self.client is None or not self._snapshot
+
     def holds(self, names: set[str]) -> bool | None:
         """Whether the custodian holds every one of these caches (None: it holds none of them)."""
         if self.client is None:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..key import CacheKey
+from ..sockets import daemon_sockets, parse_socket_name, probe
 from .child import (
     ADOPT,
     EXIT_KEY_CHANGED,
@@ -177,15 +178,22 @@ class Supervisor:
         n = sum(len(g.layout.local_placements()) for g in self.groups)
         log.info("node %d/%d: starting %d daemon(s) in %s (rendezvous ports %s)", self.node_rank, self.nnodes,
                  n, self.socket_dir, ", ".join(f"{g.role} {g.master_port}" for g in self.groups))
+        early = {g.role: self._loads_early(g) for g in self.groups}
         for g in self.groups:
+            if early[g.role]:
+                log.info("%s: nothing held to take over: loading while the checkpoint is hashed", g.role)
             for p in g.layout.local_placements():
-                self._spawn(g, p)
+                self._spawn(g, p, load_early=early[g.role])
         self._await_digests()
         self._wait_for(lambda: all(c.state in ("started", "ready") for c in self.children), "to open its socket")
         self._prune()
         held = {g.role: self._held_here(g) for g in self.groups}
         go = {}
         for g in self.groups:
+            if early[g.role]:  # loading already; what it deposited meanwhile stays held
+                self._agree(g, None)
+                go[g.role] = LOAD
+                continue
             go[g.role] = GO if self._agree(g, held[g.role]) else LOAD
             if go[g.role] == LOAD and held[g.role] is not None:
                 self.custody.release_partial(g.role, [Path(c.socket).name for c in self.children
@@ -297,7 +305,8 @@ class Supervisor:
             slot = (old.spec.role, old.spec.placement.rank)
             with contextlib.suppress(OSError):
                 old.lifeline.close()
-            spec = dataclasses.replace(old.spec, expect_key=self._keys.get(slot), supervisor_pid=os.getpid())
+            spec = dataclasses.replace(old.spec, expect_key=self._keys.get(slot), supervisor_pid=os.getpid(),
+                                       load_early=False)
             new = self._start_child(spec)
             new.replacement = True
             self.children[i] = new
@@ -361,7 +370,20 @@ class Supervisor:
 
     # -- start-up ----------------------------------------------------------------------------------------
 
-    def _spawn(self, g: Group, p: Placement) -> None:
+    def _loads_early(self, g: Group) -> bool:
+        """Whether the group's daemons may load before their keys are made (while the checkpoint is hashed):
+        on one node (no other node's caches to agree on), with nothing held by the custodian (nothing to take
+        over) and no live daemon of the role in the socket directory (a second preload of the same model is
+        refused before it loads)."""
+        if g.layout.nodes != 1 or not self.custody.holds_nothing():
+            return False
+        for path in daemon_sockets(self.socket_dir):
+            named = parse_socket_name(path.name)
+            if named and named["role"] == g.role and probe(path) != "stale":
+                return False
+        return True
+
+    def _spawn(self, g: Group, p: Placement, load_early: bool = False) -> None:
         spec = ChildSpec(role=g.role, placement=p, layout=g.layout.describe(), socket_dir=str(self.socket_dir),
                          make_source=g.make_source, source_args=dict(g.source_args),
                          make_key=g.make_key or default_key, key_args=dict(g.key_args),
@@ -369,7 +391,7 @@ class Supervisor:
                          master_port=g.master_port, info=dict(g.info), log_level=self.log_level,
                          custodian=self.custody.socket, custodian_token=self.custody.token,
                          loads_alone=g.loads_alone, gpu_uuid=g.gpu_uuids.get(p.rank, ""),
-                         preimport=tuple(g.preimport), scrub_interval=self.scrub_interval)
+                         preimport=tuple(g.preimport), scrub_interval=self.scrub_interval, load_early=load_early)
         self.children.append(self._start_child(spec))
 
     def _start_child(self, spec: ChildSpec) -> Child:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import resource
 import select
@@ -354,13 +355,34 @@ def launch_python(socket_path: str, args: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 
+def engine_socket_dir(cmd: list[str]) -> str | None:
+    """The socket directory an engine command names for its weights (vLLM's ``--model-loader-extra-config
+    '{"socket_dir": ...}'``): the preload that serves them keeps its warm interpreter there."""
+    for i, arg in enumerate(cmd):
+        if arg == "--model-loader-extra-config" and i + 1 < len(cmd):
+            raw = cmd[i + 1]
+        elif arg.startswith("--model-loader-extra-config="):
+            raw = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            return None  # the engine says what is wrong with it
+        found = config.get("socket_dir") if isinstance(config, dict) else None
+        return found if isinstance(found, str) and found else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="weightcache run", usage="weightcache run [options] -- CMD [ARGS...]",
         description="Start a Python engine (e.g. `vllm serve ...`, `python -m vllm.entrypoints.openai.api_server "
                     "...`) from the warm engine interpreter, with this process's argv, environment, cwd, stdio "
                     "and signals; exit as it exits. Without a warm interpreter, start it normally.")
-    p.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
+    p.add_argument("--socket-dir", default=None,
+                   help="default: the socket_dir of the command's --model-loader-extra-config, else the per-user "
+                        "socket directory")
     p.add_argument("--require-warm", action="store_true", help="fail (exit 1) instead of starting normally")
     p.add_argument("--no-spawn", action="store_true",
                    help="the engine's multiprocessing spawn children start a fresh interpreter")
@@ -370,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("no command: weightcache run -- CMD [ARGS...]")
-    path = warm_socket_path(Path(args.socket_dir) if args.socket_dir else default_socket_dir_path())
+    socket_dir = args.socket_dir or engine_socket_dir(cmd)
+    path = warm_socket_path(Path(socket_dir) if socket_dir else default_socket_dir_path())
 
     def fallback(why: str) -> int:
         if args.require_warm:
