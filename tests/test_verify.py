@@ -232,6 +232,23 @@ def test_the_driver_path_with_a_stand_in_driver(monkeypatch):
     assert not fake.mapped, "the read-only mapping of the fd is undone"
 
 
+def test_the_kernel_prepared_ahead_is_built_once(monkeypatch):
+    """A daemon builds and loads the kernel while it starts; its first digest uses that one."""
+    fake = StandInDriver()
+    built = []
+    monkeypatch.setattr(icuda, "_driver", lambda: fake)
+    monkeypatch.setattr(icuda, "compile_kernel", lambda arch: built.append(arch) or b"cubin for " + arch.encode())
+    monkeypatch.setattr(icuda, "_contexts", {})
+    monkeypatch.setattr(icuda, "_functions", {})
+    monkeypatch.setattr(icuda, "_buffers", {})
+    icuda.prepare_kernel(0)
+    assert len(built) == 1 and 0 in icuda._functions and not fake.launches
+    data = np.arange(4096, dtype=np.uint8)
+    got = icuda.device_sums(0, data.ctypes.data, data.nbytes, 1024)
+    assert got.tolist() == native.chunk_sums(data.ctypes.data, data.nbytes, 1024).tolist()
+    assert len(built) == 1
+
+
 @pytest.mark.parametrize("bad", [0, -16, 8, 24, 2.0, True])
 def test_bad_chunk_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -169,6 +169,13 @@ def _function(cu, index: int):
         return fn  # the module stays loaded with the process
 
 
+def prepare_kernel(index: int) -> None:
+    """Build (or read from the disk cache) and load the kernel on device ``index`` ahead of its first use; a
+    use meanwhile waits for it instead of building it again. Raises KernelUnavailable as a use would."""
+    with _context(index) as cu:
+        _function(cu, index)
+
+
 def _sums_buffer_locked(cu, index: int, nbytes: int) -> int:
     """The device's buffer for the sums, grown to ``nbytes`` (the caller holds _lock)."""
     addr, size = _buffers.get(index, (0, 0))

@@ -179,8 +179,9 @@ def out_of_memory(e: BaseException) -> bool:
 
 
 def _open_the_gpu(index: int) -> None:
-    """The driver's start (cuInit) and the device's primary context, kept for the process's life: made in the
-    background while the daemon imports its modules (the driver releases the GIL)."""
+    """The driver's start (cuInit), the device's primary context (kept for the process's life) and the
+    resident-digest kernel (compiled by NVRTC on a first run, then loaded): made in the background while the
+    daemon imports its modules (the driver and NVRTC release the GIL)."""
     with contextlib.suppress(Exception):  # no bindings or no device: the daemon's own calls say why
         from cuda.bindings import driver as cu
 
@@ -189,6 +190,9 @@ def _open_the_gpu(index: int) -> None:
             err, dev = cu.cuDeviceGet(index)
             if err == cu.CUresult.CUDA_SUCCESS:
                 cu.cuDevicePrimaryCtxRetain(dev)
+                from ..integrity.cuda import prepare_kernel
+
+                prepare_kernel(index)
 
 
 class KeyChanged(ValueError):

@@ -199,18 +199,6 @@ def _check_transformers_layout(args, path: str) -> None:
                          "accelerate (pip install accelerate)")
 
 
-def transformers_modules(path: str) -> tuple[str, ...]:
-    """What transformers' from_pretrained imports to build this model (its model class's module included)."""
-    mods = ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]
-    try:
-        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        model_type = None
-    if isinstance(model_type, str) and model_type.isidentifier():
-        mods.append(f"transformers.models.{model_type}.modeling_{model_type}")
-    return tuple(mods)
-
-
 def _check_config(role: str, path: str, tp_size: int, tp_plan) -> None:
     """config.json (when there is one) must be a JSON object, and a TP size must split the model the way
     transformers' plan does: refused here, before any daemon starts."""
@@ -379,7 +367,7 @@ def _preload(args, argv: list[str]) -> int:
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":
-            from ..integrations.transformers.config import resolve_dtype_name
+            from ..integrations.transformers.config import model_modules, resolve_dtype_name
 
             try:
                 src_dtype = resolve_dtype_name(path, dtype)  # what from_pretrained would load
@@ -394,7 +382,7 @@ def _preload(args, argv: list[str]) -> int:
                              "master_port": port},
                 master_addr=master_addr, master_port=port, info={"engine": args.engine},
                 loads_alone=args.tensor_parallel_size == 1,  # tensor parallel ranks load in one process group
-                preimport=transformers_modules(path)))
+                preimport=model_modules(path)))
             continue
         groups.append(Group(role=role, layout=layout, make_source=checkpoint_source,
                             source_args={"path": str(path), "dtype": dtype, "tp_plan": tp_plan},

@@ -62,3 +62,15 @@ def resolve_dtype_name(model_dir: str | Path, dtype: str | None = None, *, confi
     if isinstance(name, str) and name != "auto":
         return known_name(name)
     return checkpoint_float_dtype_name(model_dir) or "float32"
+
+
+def model_modules(path: str | Path) -> tuple[str, ...]:
+    """What transformers' from_pretrained imports to build this model (its model class's module included)."""
+    mods = ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if isinstance(model_type, str) and model_type.isidentifier():
+        mods.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return tuple(mods)

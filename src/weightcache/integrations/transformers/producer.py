@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ from .compat import (
     resolve_dtype,
     unwrap_local,
 )
+from .config import model_modules
 
 log = logging.getLogger("weightcache.integrations.transformers.producer")
 
@@ -218,8 +220,9 @@ class TransformersSource(Producer):
                 _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
                 dist_config = distributed_config_for(p, self.enable_expert_parallel)
             t0 = time.monotonic()
-            import transformers.modeling_utils  # noqa: F401 - pre-imported while the daemon waited, or now
-
+            for module in model_modules(self.path):  # pre-imported while the daemon waited, or now
+                with contextlib.suppress(ImportError):  # from_pretrained says what is missing
+                    importlib.import_module(module)
             began = time.monotonic()
             daemon.phases["imports"] = began - t0
             read = None
