@@ -6,12 +6,15 @@ chunks, read with preads, one pool over files and chunks) against the alternativ
   tree-blake3-pread  weightcache's digest: BLAKE3 leaves, 1 MiB preads (a file cut short gives an error)
   tree-blake3-mmap   the same tree, leaves hashed straight from mmap (no copy; a file cut short: SIGBUS)
   tree-sha256-pread  the tree with SHA-256 leaves (the fallback without the blake3 package)
+  tree-blake3-process  weightcache's digest in a process of its own, as preload runs it (its start included)
 
 GB/s is wall-clock (best of --reps); "GB/cpu-s" is bytes over the process's CPU seconds (the rate per busy
 core, which other load on the machine barely changes) and "cores used" the CPU seconds over the wall time: on
 a shared machine, a thread count that gets no more cores shows there, not as a slower hash.
 With --with-load, a CPU "load" (L threads copying the files into one buffer, as the CPU fill does) runs
 alone and then beside the hash at each --load-threads/--nice setting: its slowdown is the cost of the overlap.
+With --busy-main, a Python thread holds the GIL beside every run, as a starting preload's main thread does: the
+in-process hash waits for the GIL at every read, the hashing process does not.
 
     python bench/hash.py                                   # 4 files x 512 MiB in /dev/shm, 1..cores threads
     python bench/hash.py --files 8 --file-mb 2048 --threads 1 2 4 8 16 --with-load --load-threads 8
@@ -30,6 +33,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -101,10 +105,26 @@ def tree_mmap(paths: list[Path], threads: int) -> None:
         list(pool.map(leaf, tasks))
 
 
+def tree_process(paths: list[Path], threads: int) -> None:
+    """What preload runs: the tree hash in a process of its own (`start_checkpoint_digest(in_a_process=True)`),
+    with an empty digest cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        before = os.environ.get("XDG_CACHE_HOME")
+        os.environ["XDG_CACHE_HOME"] = cache  # the hashing process's digest cache: nothing remembered
+        try:
+            dg.start_checkpoint_digest(paths[0].parent, threads=threads, in_a_process=True).result()
+        finally:
+            if before is None:
+                del os.environ["XDG_CACHE_HOME"]
+            else:
+                os.environ["XDG_CACHE_HOME"] = before
+
+
 VARIANTS = {
     "sha256-file": sha256_file,
     "blake3-mmap": blake3_mmap,
     "tree-blake3-pread": tree("blake3"),
+    "tree-blake3-process": tree_process,
     "tree-blake3-mmap": tree_mmap,
     "tree-sha256-pread": tree("sha256"),
 }
@@ -112,14 +132,26 @@ VARIANTS = {
 
 def cpu_seconds() -> float:
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + t.children_user + t.children_system  # a hashing process's, once reaped
 
 
-def measure(fn, paths, threads: int, reps: int, nbytes: int) -> dict:
+def busy_python(stop: threading.Event) -> None:
+    """A main thread that holds the GIL as a starting preload's does (imports, set-up)."""
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def measure(fn, paths, threads: int, reps: int, nbytes: int, busy: bool = False) -> dict:
     walls, cpus = [], []
     for _ in range(reps):
+        stop = threading.Event()
+        if busy:
+            threading.Thread(target=busy_python, args=(stop,), daemon=True).start()
         c0, t0 = cpu_seconds(), time.perf_counter()
-        fn(paths, threads)
+        try:
+            fn(paths, threads)
+        finally:
+            stop.set()
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu_seconds() - c0)
     best = min(walls)
@@ -200,6 +232,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1, 2, 4, ... up to the cores")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--busy-main", action="store_true",
+                    help="a Python thread holds the GIL beside every run, as a starting preload's main thread does")
     ap.add_argument("--with-load", action="store_true", help="also measure a CPU load's slowdown beside hashing")
     ap.add_argument("--load-threads", type=int, default=2)
     ap.add_argument("--nice", type=int, nargs="+", default=[0, 10])
@@ -220,7 +254,8 @@ def main() -> int:
     for name in a.variants:
         first = None
         for t in a.threads:
-            r = {"variant": name, **measure(VARIANTS[name], paths, t, a.reps, nbytes)}
+            r = {"variant": name, "busy_main": a.busy_main,
+                 **measure(VARIANTS[name], paths, t, a.reps, nbytes, a.busy_main)}
             first = first or r["best_gbs"]
             r["scaling"] = r["best_gbs"] / first
             rows.append(r)

@@ -349,6 +349,116 @@ def test_start_checkpoint_digest_errors(tmp_path, monkeypatch):
         dg.start_checkpoint_digest(tmp_path).result(20)
 
 
+def _hashers() -> list[int]:
+    """Pids of this process's `python -m weightcache.digests` children."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children() if "weightcache.digests" in " ".join(c.cmdline())]
+
+
+def test_a_hashing_process_gives_the_same_digest_and_remembers_it(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    write(model / "model.safetensors", random.Random(12).randbytes(2 * MIB16 + 3))
+    write(model / "config.json", b"{}")
+    old = time.time() - 3600  # not "just written": remembered
+    for f in model.iterdir():
+        os.utime(f, (old, old))
+    time.sleep(1.1)  # the ctime must lie a second before the hash
+    got = dg.start_checkpoint_digest(model, threads=2, in_a_process=True).result(60)
+    assert got == ref_checkpoint({"model.safetensors": (model / "model.safetensors").read_bytes(), "config.json": b"{}"})
+    assert dg.remembered_checkpoint_digest(model) == got, "the process stored the digests for this one"
+    assert _hashers() == []
+
+
+def test_a_hashing_process_reports_errors_as_digest_errors(tmp_path, monkeypatch, capsys):
+    import fcntl
+    import signal
+
+    write(tmp_path / "model.safetensors", b"q" * 5000)
+
+    def denied(fd, bufs, off):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:
+        Reads(m, denied)
+        assert dg._main([str(tmp_path)]) == 1
+    reply = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert reply == {"error": f"cannot read {tmp_path / 'model.safetensors'} to hash it: Permission denied",
+                     "errno": 13}
+    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # holds the process back while it is killed
+    try:
+        fut = dg.start_checkpoint_digest(tmp_path, in_a_process=True)
+        deadline = time.monotonic() + 20
+        while not _hashers():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(_hashers()[0], signal.SIGKILL)
+        with pytest.raises(DigestError, match="ended with exit status -9 and no digest"):
+            fut.result(20)
+    finally:
+        os.close(lock)
+
+
+def test_cancelling_a_hashing_process_ends_it(tmp_path):
+    write(tmp_path / "model.safetensors", b"x")
+    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    import fcntl
+
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as another hasher of the folder: the process waits for it
+    try:
+        fut = dg.start_checkpoint_digest(tmp_path, in_a_process=True)
+        deadline = time.monotonic() + 20
+        while not _hashers():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        pids = _hashers()
+        assert fut.cancel()
+        while any(dg_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "the hashing process outlived its cancellation"
+            time.sleep(0.02)
+    finally:
+        os.close(lock)
+
+
+def test_a_hashing_process_ends_with_the_process_that_started_it(tmp_path):
+    import subprocess
+    import sys
+
+    write(tmp_path / "model.safetensors", b"x")
+    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    import fcntl
+
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        code = ("import sys, time; from weightcache import digests as dg; "
+                f"dg.start_checkpoint_digest({str(tmp_path)!r}, in_a_process=True); time.sleep(60)")
+        parent = subprocess.Popen([sys.executable, "-c", code])
+        import psutil
+
+        deadline = time.monotonic() + 30
+        while not (kids := [c.pid for c in psutil.Process(parent.pid).children()]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        parent.kill()
+        parent.wait()
+        while any(dg_alive(p) for p in kids):
+            assert time.monotonic() < deadline, "the hashing process outlived the preload that started it"
+            time.sleep(0.02)
+    finally:
+        os.close(lock)
+
+
+def dg_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 # --- errors ---------------------------------------------------------------------------------------------
 
 def test_missing_checkpoint_is_clear(tmp_path):

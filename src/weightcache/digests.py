@@ -18,7 +18,9 @@ import hashlib
 import json
 import logging
 import os
+import select
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -455,17 +457,24 @@ def remembered_checkpoint_digest(path: str | Path) -> str | None:
     return combine(algo, [f.name for f in files], digests)  # type: ignore[arg-type]
 
 
-def start_checkpoint_digest(path: str | Path, *, threads: int | None = None,
-                            nice: int = 0) -> concurrent.futures.Future[str]:
+def start_checkpoint_digest(path: str | Path, *, threads: int | None = None, nice: int = 0,
+                            in_a_process: bool = False) -> concurrent.futures.Future[str]:
     """Hash a checkpoint on background threads; returns at once with a Future of `checkpoint_digest(path)`.
 
     A missing checkpoint raises here; read errors (DigestError) come out of `result()`. `threads` caps the
     hashing threads (default: every core) and `nice` lowers their priority, so that a load running meanwhile
     keeps its share of the CPU. `cancel()` stops the hashing within one read (1 MiB per thread). The digests
     are remembered before the Future completes, and any process that asks for the same files meanwhile
-    (`checkpoint_digest` in a daemon or an engine) waits for them instead of hashing again."""
+    (`checkpoint_digest` in a daemon or an engine) waits for them instead of hashing again.
+
+    With ``in_a_process`` the threads run in a process of their own (``python -m weightcache.digests``): each of
+    them takes the GIL once per read, and beside a busy main thread (a preload's start) that GIL, not the
+    memory, sets the rate. `cancel()` then ends that process; so does this one's death."""
     files = checkpoint_files(path)
     fut: concurrent.futures.Future[str] = concurrent.futures.Future()  # pending until done: cancel() works
+    if in_a_process:
+        _start_hashing_process(Path(path), threads, nice, fut)
+        return fut
 
     def run() -> None:
         try:
@@ -485,9 +494,91 @@ def start_checkpoint_digest(path: str | Path, *, threads: int | None = None,
     return fut
 
 
+def _start_hashing_process(path: Path, threads: int | None, nice: int, fut: concurrent.futures.Future) -> None:
+    """`python -m weightcache.digests` hashes `path` and writes one JSON line: {"digest"} or {"error", "errno"}.
+    It watches a pipe whose other end only this process holds: it ends when this process does."""
+    life_r, life_w = os.pipe()
+    argv = [sys.executable, "-m", "weightcache.digests", str(path), "--nice", str(nice), "--lifeline", str(life_r),
+            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+    if threads:
+        argv += ["--threads", str(threads)]
+    env = dict(os.environ)  # what this process imports (weightcache, blake3), wherever it found them
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, pass_fds=(life_r,), env=env)
+    except OSError as e:
+        os.close(life_w)
+        raise DigestError(f"cannot start hashing {path}: {e}", e.errno) from None
+    finally:
+        os.close(life_r)
+
+    def wait() -> None:
+        out = b""
+        try:
+            while True:
+                ready, _, _ = select.select([proc.stdout], [], [], 0.05)
+                if ready:
+                    chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                    if not chunk:
+                        break
+                    out += chunk
+                elif fut.cancelled():
+                    proc.kill()
+                    break
+            proc.wait()
+        finally:
+            proc.stdout.close()
+            os.close(life_w)
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            reply = json.loads(out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            reply = {"error": f"hashing {path} ended with exit status {proc.returncode} and no digest"}
+        if isinstance(reply.get("digest"), str):
+            fut.set_result(reply["digest"])
+        else:
+            fut.set_exception(DigestError(str(reply.get("error")), reply.get("errno")))
+
+    threading.Thread(target=wait, name="wc-digest", daemon=True).start()
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """The hashing process of ``start_checkpoint_digest(..., in_a_process=True)``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m weightcache.digests")
+    ap.add_argument("path")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--nice", type=int, default=0)
+    ap.add_argument("--lifeline", type=int, default=None)
+    ap.add_argument("--log-level", default="INFO")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [hash] %(name)s: %(message)s")
+    if a.lifeline is not None:
+        def watch() -> None:
+            with contextlib.suppress(OSError):
+                while os.read(a.lifeline, 1 << 10):
+                    pass
+            os._exit(1)  # the process that asked is gone
+
+        threading.Thread(target=watch, name="wc-lifeline", daemon=True).start()
+    try:
+        reply = {"digest": checkpoint_digest(a.path, threads=a.threads, nice=a.nice)}
+    except OSError as e:
+        reply = {"error": str(e), "errno": e.errno}
+    print(json.dumps(reply), flush=True)
+    return 0 if "digest" in reply else 1
+
+
 def config_digest(obj) -> str:
     """Stable digest of a JSON-able configuration (e.g. a quantization config); "none" for None."""
     if obj is None:
         return "none"
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

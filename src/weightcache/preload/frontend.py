@@ -363,7 +363,7 @@ def _preload(args, argv: list[str]) -> int:
     groups, digests = [], []
     for role, path, layout, port in plans:
         try:  # hashed once, here, while the daemons start; they wait for it, then only stat() the files
-            digests.append((f"{role} model {path}", start_checkpoint_digest(path, nice=10)))
+            digests.append((f"{role} model {path}", start_checkpoint_digest(path, nice=10, in_a_process=True)))
         except OSError as e:
             raise UsageError(f"{role} model {path}: {e}") from None
         if args.engine == "transformers":

@@ -155,7 +155,7 @@ def _download_and_hash(vllm_config) -> list:
         if not os.path.isdir(str(mc.model)):
             get_model_loader(vllm_config.load_config).download_model(mc)
         path = local_checkpoint_dir(mc)
-        out.append((f"model {path}", start_checkpoint_digest(path, nice=10)))
+        out.append((f"model {path}", start_checkpoint_digest(path, nice=10, in_a_process=True)))
     return out
 
 
