@@ -61,6 +61,13 @@ def _model(llm):
     return worker.model_runner
 
 
+def unwrapped(model):
+    """The model under vLLM's CUDA-graph and micro-batch wrappers (its V1 runner wraps MoE models, for one)."""
+    while model is not None and callable(getattr(type(model), "unwrap", None)):
+        model = model.unwrap()
+    return model
+
+
 def _dump_rank(worker, path: str) -> str:
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -68,7 +75,7 @@ def _dump_rank(worker, path: str) -> str:
     from weightcache.integrations.vllm.loader import engine_state
 
     out = f"{path}.rank{get_tensor_model_parallel_rank()}"
-    model = worker.model_runner.model
+    model = unwrapped(worker.model_runner.model)
     torch.save({k: v.detach().cpu().clone() for k, v in engine_state(model).items()}, out)
     return out
 
@@ -111,17 +118,18 @@ def main(spec: dict) -> dict:
     inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and spec.get("tp", 1) == 1
     if inproc:
         runner = _model(llm)
-        result["model_class"] = type(runner.model).__name__
-        result["attached"] = "_weightcache_attachment" in runner.model.__dict__
+        model = unwrapped(runner.model)
+        result["model_class"] = type(model).__name__
+        result["attached"] = "_weightcache_attachment" in model.__dict__
         drafter = getattr(runner, "drafter", None)
-        dmodel = getattr(drafter, "model", None)
+        dmodel = unwrapped(getattr(drafter, "model", None))
         result["draft_attached"] = dmodel is not None and "_weightcache_attachment" in dmodel.__dict__
         if spec.get("dump"):
             import torch
 
             from weightcache.integrations.vllm.loader import engine_state
 
-            state = {k: v.detach().cpu().clone() for k, v in engine_state(runner.model).items()}
+            state = {k: v.detach().cpu().clone() for k, v in engine_state(model).items()}
             if dmodel is not None:
                 state.update({f"drafter.{k}": v.detach().cpu().clone() for k, v in engine_state(dmodel).items()})
             torch.save(state, spec["dump"])
