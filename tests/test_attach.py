@@ -576,3 +576,30 @@ def test_watch_thread_starting_may_forget_while_add_returns(monkeypatch):
         watch.forget(second)
         for s in (first, first_peer, second, second_peer):
             s.close()
+
+
+def test_a_daemon_named_after_its_load_serves_and_one_closed_first_binds_nothing(sockdir):
+    """A daemon may load before its key is known (the checkpoint's digest is still being made); it serves once
+    named. One that is closed before it is named never binds its socket."""
+    from weightcache.daemon import Daemon
+
+    d = Daemon(None, None)
+    done = threading.Thread(target=d.load_tensors, args=(sample_tensors(),))
+    done.start()
+    time.sleep(0.3)
+    assert done.is_alive() and d.state == "starting", "the load waits for the key before it seals"
+    d.name(_sock(sockdir), KEY, start=True)
+    done.join(30)
+    try:
+        assert d.state == "ready" and d.status().phases["key wait"] >= 0.2
+        with wc.attach(_sock(sockdir), expect=KEY) as att:
+            assert set(att.tensors) == set(sample_tensors())
+    finally:
+        d.close()
+
+    late = Daemon(None, None)
+    late.close()
+    path = os.path.join(sockdir, "late.sock")
+    with pytest.raises(RuntimeError, match="closed before its cache key was known"):
+        late.name(path, KEY, start=True)
+    assert not os.path.exists(path)

@@ -57,6 +57,7 @@ class Daemon:
                                  max_per_peer=max_per_peer, status_reserve=status_reserve)
         self._custodian = custodian
         self._named = threading.Event()  # the socket and key are known (a load may begin before: see name())
+        self._naming = threading.Lock()
         self._unnamed_because: BaseException | None = None
         self.socket_path: Path | None = None
         self.key: CacheKey | None = None
@@ -98,13 +99,16 @@ class Daemon:
         """The socket and key, once known; with ``start`` the socket is bound, then ``then()`` runs. A daemon
         made without them may begin to load while its key waits for the checkpoint's digest; its load waits for
         this (``then`` included) before it seals and deposits the weights."""
-        self.socket_path, self.key = Path(socket_path), key
-        self.server = UnixServer(self.socket_path, self._serve_connection, self._refuse, what="daemon",
-                                 **self._server_args)
-        # while connected, the custodian knows we serve this cache
-        self.handover = Handover(self._custodian, self.socket_path.name) if self._custodian else None
-        if start:
-            self.start()
+        with self._naming:  # never a socket bound after close()
+            if self._stop.is_set():
+                raise RuntimeError("the daemon was closed before its cache key was known")
+            self.socket_path, self.key = Path(socket_path), key
+            self.server = UnixServer(self.socket_path, self._serve_connection, self._refuse, what="daemon",
+                                     **self._server_args)
+            # while connected, the custodian knows we serve this cache
+            self.handover = Handover(self._custodian, self.socket_path.name) if self._custodian else None
+            if start:
+                self.start()
         if then is not None:
             then()
         self._named.set()
@@ -134,7 +138,8 @@ class Daemon:
         """Bind the socket and serve in the background; state becomes "loading"."""
         self.server.bind()
         self._started_mono = time.monotonic()
-        self.state = "loading"
+        if self.state == "starting":  # a load that began before the key may have failed meanwhile
+            self.state = "loading"
         self.server.start()
         log.info("daemon for %s rank %d listening on %s", self.key.model, self.key.rank, self.socket_path)
 
@@ -355,10 +360,11 @@ class Daemon:
             self.close()
 
     def close(self) -> None:
-        if self.state == "closed":
-            return
-        self._stop.set()
-        self.state = "closed"
+        with self._naming:
+            if self.state == "closed":
+                return
+            self._stop.set()
+            self.state = "closed"
         if self.server is not None:
             self.server.close()
         for b in self._blocks:
