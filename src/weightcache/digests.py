@@ -30,7 +30,7 @@ from pathlib import Path
 from .errors import WeightCacheError
 from .progress import Progress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("weightcache.digests")  # the same name when run as the hashing process
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CHECKPOINT_METADATA = ("config.json", "generation_config.json", "model.safetensors.index.json")
