@@ -285,12 +285,9 @@ def _holdings_table(held, pid: int, socket_dir: Path) -> str:
 # -------------------------------------------------------------------------------------------------- main
 
 def _engine_of(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a == "--engine" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--engine="):
-            return a.split("=", 1)[1]
-    return None
+    from .argv import option_value
+
+    return option_value(argv, "--engine")
 
 
 def main(argv: list[str] | None = None) -> int:

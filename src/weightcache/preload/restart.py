@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..argv import option_value
 from ..key import CacheKey
 from ..sources import FillSource
 from . import record
@@ -43,19 +44,10 @@ def recorded_key(source, placement, *, layout: str, role: str, keys: dict) -> Ca
     return msgspec.convert(keys[str(placement.rank)], CacheKey)
 
 
-def _option(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def socket_dir_of(argv: list[str]) -> Path:
     from ..sockets import default_socket_dir_path
 
-    explicit = _option(argv, "--weight-cache-socket-dir")
+    explicit = option_value(argv, "--weight-cache-socket-dir")
     return Path(explicit) if explicit else default_socket_dir_path()
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from .. import __version__, wire
+from ..argv import option_value
 from ..errors import ProtocolError, WeightCacheError
 from ..sockets import default_socket_dir_path, warm_socket_path
 from . import command as commands
@@ -358,20 +359,15 @@ def launch_python(socket_path: str, args: list[str]) -> int:
 def engine_socket_dir(cmd: list[str]) -> str | None:
     """The socket directory an engine command names for its weights (vLLM's ``--model-loader-extra-config
     '{"socket_dir": ...}'``): the preload that serves them keeps its warm interpreter there."""
-    for i, arg in enumerate(cmd):
-        if arg == "--model-loader-extra-config" and i + 1 < len(cmd):
-            raw = cmd[i + 1]
-        elif arg.startswith("--model-loader-extra-config="):
-            raw = arg.split("=", 1)[1]
-        else:
-            continue
-        try:
-            config = json.loads(raw)
-        except ValueError:
-            return None  # the engine says what is wrong with it
-        found = config.get("socket_dir") if isinstance(config, dict) else None
-        return found if isinstance(found, str) and found else None
-    return None
+    raw = option_value(cmd, "--model-loader-extra-config")
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return None  # the engine says what is wrong with it
+    found = config.get("socket_dir") if isinstance(config, dict) else None
+    return found if isinstance(found, str) and found else None
 
 
 def main(argv: list[str] | None = None) -> int:
