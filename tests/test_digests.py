@@ -1,6 +1,7 @@
 """Checkpoint digests: the format (against a computation written out here), chunk boundaries, order, the
 parallel pool, the stamp a digest is remembered by, the background Future, and errors."""
 
+import contextlib
 import json
 import logging
 import os
@@ -371,8 +372,34 @@ def test_a_hashing_process_gives_the_same_digest_and_remembers_it(tmp_path):
     assert _hashers() == []
 
 
-def test_a_hashing_process_reports_errors_as_digest_errors(tmp_path, monkeypatch, capsys):
+@contextlib.contextmanager
+def hashing_held_back(folder):
+    """Hold the folder's hashing lock, as another hasher would: a hashing process waits for it meanwhile."""
     import fcntl
+
+    lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(lock)
+
+
+def eventually(find, what: str, deadline: float):
+    """find()'s first non-empty result before the deadline (time.monotonic())."""
+    while not (found := find()):
+        assert time.monotonic() < deadline, f"no {what}"
+        time.sleep(0.02)
+    return found
+
+
+def all_gone(pids, what: str, deadline: float) -> None:
+    while any(dg_alive(p) for p in pids):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_hashing_process_reports_errors_as_digest_errors(tmp_path, monkeypatch, capsys):
     import signal
 
     write(tmp_path / "model.safetensors", b"q" * 5000)
@@ -386,68 +413,39 @@ def test_a_hashing_process_reports_errors_as_digest_errors(tmp_path, monkeypatch
     reply = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert reply == {"error": f"cannot read {tmp_path / 'model.safetensors'} to hash it: Permission denied",
                      "errno": 13}
-    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # holds the process back while it is killed
-    try:
+    with hashing_held_back(tmp_path):  # the process is killed while it waits
         fut = dg.start_checkpoint_digest(tmp_path, in_a_process=True)
-        deadline = time.monotonic() + 20
-        while not _hashers():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        os.kill(_hashers()[0], signal.SIGKILL)
+        os.kill(eventually(_hashers, "hashing process", time.monotonic() + 20)[0], signal.SIGKILL)
         with pytest.raises(DigestError, match="ended with exit status -9 and no digest"):
             fut.result(20)
-    finally:
-        os.close(lock)
 
 
 def test_cancelling_a_hashing_process_ends_it(tmp_path):
     write(tmp_path / "model.safetensors", b"x")
-    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    import fcntl
-
-    fcntl.flock(lock, fcntl.LOCK_EX)  # as another hasher of the folder: the process waits for it
-    try:
+    with hashing_held_back(tmp_path):
         fut = dg.start_checkpoint_digest(tmp_path, in_a_process=True)
         deadline = time.monotonic() + 20
-        while not _hashers():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        pids = _hashers()
+        pids = eventually(_hashers, "hashing process", deadline)
         assert fut.cancel()
-        while any(dg_alive(p) for p in pids):
-            assert time.monotonic() < deadline, "the hashing process outlived its cancellation"
-            time.sleep(0.02)
-    finally:
-        os.close(lock)
+        all_gone(pids, "the hashing process outlived its cancellation", deadline)
 
 
 def test_a_hashing_process_ends_with_the_process_that_started_it(tmp_path):
     import subprocess
     import sys
 
-    write(tmp_path / "model.safetensors", b"x")
-    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    import fcntl
+    import psutil
 
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
+    write(tmp_path / "model.safetensors", b"x")
+    with hashing_held_back(tmp_path):
         code = ("import sys, time; from weightcache import digests as dg; "
                 f"dg.start_checkpoint_digest({str(tmp_path)!r}, in_a_process=True); time.sleep(60)")
         parent = subprocess.Popen([sys.executable, "-c", code])
-        import psutil
-
         deadline = time.monotonic() + 30
-        while not (kids := [c.pid for c in psutil.Process(parent.pid).children()]):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        kids = eventually(lambda: [c.pid for c in psutil.Process(parent.pid).children()], "hashing process", deadline)
         parent.kill()
         parent.wait()
-        while any(dg_alive(p) for p in kids):
-            assert time.monotonic() < deadline, "the hashing process outlived the preload that started it"
-            time.sleep(0.02)
-    finally:
-        os.close(lock)
+        all_gone(kids, "the hashing process outlived the preload that started it", deadline)
 
 
 def dg_alive(pid: int) -> bool:
