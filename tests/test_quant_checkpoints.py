@@ -254,6 +254,20 @@ def test_eight_bit_weights_decode_to_the_weights(tmp_path, bases, case):
             assert ((back - w).abs() <= w.abs() / 16 + s * 2 ** -9).all(), module
 
 
+@pytest.mark.parametrize("family, case", [("qwen3_moe", "ct-fp8-tensor-static-kv"), ("qwen3_moe", "ct-int8-static"),
+                                          ("mixtral", "modelopt-fp8")])
+def test_static_input_scales_are_shared_by_the_layers_that_read_the_same_input(tmp_path, family, case):
+    """vLLM fuses q/k/v and gate/up (an expert's w1/w3) and refuses w1 and w3 input scales that differ."""
+    scales = {k[: -len(".input_scale")]: v.item() for k, v in _read(_make(tmp_path, case, family)).items()
+              if k.endswith(".input_scale")}
+    same = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
+    same += [("block_sparse_moe.experts.1.w1", "block_sparse_moe.experts.1.w3")] if family == "mixtral" else \
+        [("mlp.experts.1.gate_proj", "mlp.experts.1.up_proj")]
+    for group in same:
+        assert len({scales[f"model.layers.0.{m}"] for m in group}) == 1, group
+    assert len(set(scales.values())) > len(scales) // 3  # the rest differ, as calibrated scales do
+
+
 # ---- vLLM's CPU build loads them -------------------------------------------------------------------------------
 
 

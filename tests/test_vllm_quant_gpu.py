@@ -95,6 +95,8 @@ def _checkpoint(work, case: str) -> tuple[str, dict]:
     arch, method = case.split("-", 1)
     kind, opts, env = METHODS[method]
     family, shape = ARCH[arch]
+    if arch != "dense" and (opts.get("desc_act") or opts.get("actorder")):
+        shape = {**shape, "moe_intermediate_size": 256}  # Marlin's MoE kernel takes act-order with > 1 group along K
     path = q.MAKERS[kind](work["root"] / case, family, **opts, **shape)
     return str(path), env
 

@@ -107,7 +107,10 @@ def result_of(stdout: str, stderr: str) -> dict:
 
 
 def ok(res: dict) -> dict:
-    assert "error" not in res, f"{res['error']['type']}: {res['error']['message']}\n{res['error']['log']}"
+    if "error" in res:
+        err = res["error"]
+        where = "\n".join(err.get("traceback", "").splitlines()[-12:])
+        raise AssertionError(f"{err['type']}: {err['message']}\n{where}\n{err.get('log', '')}")
     return res
 
 

@@ -70,6 +70,25 @@ def _router_modules(plain: list[str]) -> list[str]:
     return [m for m in plain if m.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
 
 
+_SAME_INPUT = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13"}
+
+
+class _StaticInputScales:
+    """Random static activation scales as a calibration observes them: modules that read the same input (q/k/v,
+    gate/up, an expert's w1/w3) get the same scale, which vLLM's fused layers require."""
+
+    def __init__(self, generator: torch.Generator, shape: tuple):
+        self.generator, self.shape, self.seen = generator, shape, {}
+
+    def __call__(self, module: str) -> torch.Tensor:
+        owner, leaf = module.rsplit(".", 1)
+        key = f"{owner}.{_SAME_INPUT.get(leaf, leaf)}"
+        if key not in self.seen:
+            self.seen[key] = (0.01 + 0.02 * torch.rand(self.shape, generator=self.generator)).float()
+        return self.seen[key].clone()
+
+
 # ---- FP8 -------------------------------------------------------------------------------------------------------
 
 
@@ -158,7 +177,7 @@ def make_compressed_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, s
     if strategy not in ("channel", "tensor"):
         raise ValueError(f"strategy must be 'channel' or 'tensor', got {strategy!r}")
     path = Path(path)
-    g = torch.Generator().manual_seed(seed + 1)
+    input_scale = _StaticInputScales(torch.Generator().manual_seed(seed + 1), (1,))
 
     def convert(module, w):
         if strategy == "channel":
@@ -167,7 +186,7 @@ def make_compressed_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, s
             scale = (w.float().abs().amax().reshape(1) / FP8_MAX).clamp(min=1e-12)
         out = {"weight": _fp8(w, scale), "weight_scale": scale}
         if not dynamic and not weight_only:
-            out["input_scale"] = (0.01 + 0.02 * torch.rand(1, generator=g)).float()
+            out["input_scale"] = input_scale(module)
         return out
 
     cfg, _, plain = _rewrite(path, family, seed, shape, convert)
@@ -191,14 +210,14 @@ def make_compressed_int8_checkpoint(path: str | Path, family: str = "qwen3", *, 
     float32 ``weight_scale`` per output channel [out, 1], symmetric; activations int8 dynamic per token, or static
     per tensor with an ``input_scale`` [1] (``dynamic=False``)."""
     path = Path(path)
-    g = torch.Generator().manual_seed(seed + 1)
+    input_scale = _StaticInputScales(torch.Generator().manual_seed(seed + 1), (1,))
 
     def convert(module, w):
         scale = (w.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
         q = (w.float() / scale).round().clamp(-128, 127).to(torch.int8)
         out = {"weight": q, "weight_scale": scale}
         if not dynamic:
-            out["input_scale"] = (0.01 + 0.02 * torch.rand(1, generator=g)).float()
+            out["input_scale"] = input_scale(module)
         return out
 
     cfg, _, _ = _rewrite(path, family, seed, shape, convert)
@@ -308,12 +327,11 @@ def make_modelopt_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, see
     KV-cache scales ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``; the quantization config in the separate
     ``hf_quant_config.json`` of ModelOpt exports (the LM head and MoE routers excluded)."""
     path = Path(path)
-    g = torch.Generator().manual_seed(seed + 4)
+    input_scale = _StaticInputScales(torch.Generator().manual_seed(seed + 4), ())
 
     def convert(module, w):
         scale = (w.float().abs().amax() / FP8_MAX).clamp(min=1e-12).reshape(())
-        return {"weight": _fp8(w, scale), "weight_scale": scale,
-                "input_scale": (0.01 + 0.02 * torch.rand((), generator=g)).float()}
+        return {"weight": _fp8(w, scale), "weight_scale": scale, "input_scale": input_scale(module)}
 
     _, _, plain = _rewrite(path, family, seed, shape, convert)
     if kv_cache:
