@@ -72,7 +72,9 @@ elif mode == "spawn":
         q.put(["fakeeng" in sys.modules, os.getpid()])
         sys.exit(code)
     if __name__ == "__main__":
-        if len(sys.argv) > 2:
+        if len(sys.argv) > 3:  # as vLLM's API server sets torch's cache directory before it spawns its engine
+            os.environ["WARM_TEST_CACHE"] = sys.argv[3]
+        elif len(sys.argv) > 2:
             os.environ["WARM_TEST_MODE"] = sys.argv[2]  # the child's imports would see another value
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -89,8 +91,10 @@ def fake_pkg(tmp_path):
     """A tiny installed-looking package the warm interpreter imports: reads WARM_TEST_MODE when imported."""
     site = tmp_path / "site"
     (site / "fakeeng").mkdir(parents=True)
-    (site / "fakeeng" / "__init__.py").write_text("import os\nMODE = os.environ.get('WARM_TEST_MODE')\n"
-                                                  "os.environ.setdefault('WARM_TEST_DEFAULTED', 'd')\n")
+    (site / "fakeeng" / "__init__.py").write_text(
+        "import os\nMODE = os.environ.get('WARM_TEST_MODE')\nos.environ.setdefault('WARM_TEST_DEFAULTED', 'd')\n"
+        "if os.environ.get('WARM_TEST_CACHE') is None:  # torch's inductor cache_dir()\n"
+        "    os.environ['WARM_TEST_CACHE'] = '/tmp/warm-test-cache'\n")
     dist = site / "fakeeng-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeeng\nVersion: 1.0\n")
@@ -321,6 +325,11 @@ def test_spawn_children_come_from_the_warm_interpreter(warm, engine_script):
     assert r["exitcode"] == 5 and not r["warm"]
     lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("weightcache warm spawn:")]
     assert lines and all("WARM_TEST_MODE" in ln for ln in lines), cp.stderr
+    # the parent set a variable the warm imports set to the same value when they found it unset: still warm
+    cp = warm.run(PY, str(engine_script), "spawn", "-", "/tmp/warm-test-cache")
+    assert _report(cp)["warm"] and "weightcache warm spawn:" not in cp.stderr, cp.stderr
+    cp = warm.run(PY, str(engine_script), "spawn", "-", "/tmp/elsewhere")
+    assert not _report(cp)["warm"] and "WARM_TEST_CACHE" in cp.stderr, cp.stderr
 
 
 # ----------------------------------------------------------------------------------------- refusals, fallback
@@ -344,6 +353,11 @@ def test_a_different_environment_is_refused(warm, engine_script):
     assert r["warm"] and r["foo"] == "free"
     _started_normally(warm.run(PY, str(engine_script), "report", env={**warm.env, "WARM_TEST_DEFAULTED": "e"}),
                       "WARM_TEST_DEFAULTED")
+    # read while unset and then set by the import (torch's cache directory): the same as a setdefault
+    assert _report(warm.run(PY, str(engine_script), "report",
+                            env={**warm.env, "WARM_TEST_CACHE": "/tmp/warm-test-cache"}))["warm"]
+    _started_normally(warm.run(PY, str(engine_script), "report", env={**warm.env, "WARM_TEST_CACHE": "/tmp/x"}),
+                      "WARM_TEST_CACHE")
 
 
 def test_ignore_env_lets_a_variable_differ(sockdir, fake_pkg, engine_script):

@@ -34,22 +34,30 @@ DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVIC
 
 class _Recording(os._Environ):
     """os.environ that notes how each variable was first touched (it shares the real mapping's data):
-    "read" (what was imported depends on its value then), "default" (setdefault: on its value or the default)
-    or "write" (set before anyone read it: the value it had does not matter)."""
+    "read" (what was imported depends on its value then), "default" (setdefault, or read while unset and then
+    set, as torch's inductor cache_dir() does: on its value or the default) or "write" (set before anyone read
+    it: the value it had does not matter)."""
 
     def __init__(self, real: os._Environ, first: dict[str, tuple[str, str | None]]):
         super().__init__(real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue)
         self.first, self.recording = first, True
+        self.read_unset: set[str] = set()
 
     def _note(self, key, how: str, default: str | None = None) -> None:
         if self.recording and isinstance(key, str) and key not in self.first:
             self.first[key] = (how, default)
 
     def __getitem__(self, key):
+        if self.recording and isinstance(key, str) and key not in self.first \
+                and self.encodekey(key) not in self._data:
+            self.read_unset.add(key)
         self._note(key, "read")
         return super().__getitem__(key)
 
     def __setitem__(self, key, value):
+        if self.recording and key in self.read_unset:
+            self.read_unset.discard(key)
+            self.first[key] = ("default", value)
         self._note(key, "write")
         super().__setitem__(key, value)
 
