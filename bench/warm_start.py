@@ -7,7 +7,7 @@ a random-weight Llama from weightcache.testing, --enforce-eager unless --compile
   warm            `weightcache run -- <command>`: the API server forks from a warm interpreter; vLLM's engine core
                   and workers, spawned, come from it too where their environment matches
   warm-children   the same with a warm interpreter told to --ignore-env the variables vLLM's CPU platform sets for
-                  its children (--children-ignore; CPU only: LD_PRELOAD of torch's libgomp, two inductor settings),
+                  its children (--children-ignore; CPU only: LD_PRELOAD of torch's libgomp, an inductor setting),
                   so that the engine core and its worker fork warm too, as they do on a GPU without it
 
 Phases from the arrival of the engine's output lines (each process tags its lines): start -> the API server's
@@ -43,7 +43,7 @@ from child_env import free_port  # noqa: E402
 
 TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2, vocab_size=512)
 ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
-CPU_CHILD_ENV = ("LD_PRELOAD", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
+CPU_CHILD_ENV = ("LD_PRELOAD", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
 MARKS = (("api", re.compile(r"^\(APIServer pid=")), ("core", re.compile(r"^\(EngineCore\w* pid=")),
          ("worker", re.compile(r"^\((Vllm)?Worker[-\w]* pid=")))
 PHASES = (("imports", "start -> API server's first line"), ("core", "-> engine core's first line"),

@@ -141,6 +141,8 @@ def test_quantization_configs_are_the_tools(tmp_path):
     lazy = json.loads((q.make_gptq_checkpoint(tmp_path / "lazy", describe_modules=False, **DENSE) /
                        "config.json").read_text())["quantization_config"]
     assert lazy["modules_in_block_to_quantize"] is None
+    block = json.loads((_make(tmp_path, "fp8-block", "qwen3_moe") / "config.json").read_text())["quantization_config"]
+    assert block["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
 
 
 def test_packing_puts_value_i_in_bits_i_times_b():

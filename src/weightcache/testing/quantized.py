@@ -111,16 +111,19 @@ def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def make_fp8_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int = 0, **shape) -> Path:
     """A random checkpoint of ``family`` quantized as DeepSeek-V3 and Qwen3-FP8 ship: each linear weight in
     float8_e4m3fn per 128 x 128 block with a float32 ``weight_scale_inv``, the rest in bf16, and
-    ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``."""
+    ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}`` whose
+    ``modules_to_not_convert`` names the bf16 LM head and MoE routers, as Qwen3-FP8 MoE checkpoints do (vLLM
+    would otherwise build a router as an FP8 layer)."""
     path = Path(path)
 
     def convert(module, w):
         q, s = quantize_fp8_block(w)
         return {"weight": q, "weight_scale_inv": s}
 
-    cfg, _, _ = _rewrite(path, family, seed, shape, convert)
+    cfg, _, plain = _rewrite(path, family, seed, shape, convert)
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                  "modules_to_not_convert": ["lm_head", *_router_modules(plain)]}
     _write_config(path, cfg)
     return path
 
