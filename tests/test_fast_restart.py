@@ -198,3 +198,29 @@ def test_a_vllm_preload_run_again_comes_back_without_vllm(ckpt, env, tmp_path, s
     assert {s: block_digests(s) for s in socks} == served
     sigkill_all(again)
     _held_by_nobody(sdir, 1)
+
+
+def test_a_first_vllm_preload_starts_its_daemons_without_importing_vllm(ckpt, env, tmp_path, started):
+    """A local model on one node: the front end plans the daemons from the flags; each daemon builds vLLM's
+    config itself. A flag vLLM does not know fails in one line naming it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    sdir, mods = tmp_path / "s", tmp_path / "mods"
+    args = [ckpt, "--engine", "vllm", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", 256,
+            "--weight-cache-socket-dir", sdir]
+    first = Preload(args, env, tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    assert "planned from the flags" in first.stderr, first.stderr
+    imported = _imported(mods)
+    assert "vllm" in imported["main-r0"]
+    assert not set(ENGINES) & imported["supervisor"], set(ENGINES) & imported["supervisor"]
+    sigkill_all(first)
+    _held_by_nobody(sdir, 1)
+
+    bad = Preload([ckpt, "--engine", "vllm", "--enforce-eager", "--no-such-vllm-flag", "3",
+                   "--weight-cache-socket-dir", tmp_path / "s2", "--weight-cache-no-custodian"], env, tmp_path, "p2")
+    started.append(bad)
+    assert bad.proc.wait(120) != 0
+    lines = [ln for ln in bad.stderr.splitlines() if "unrecognized arguments: --no-such-vllm-flag 3" in ln]
+    assert lines and "exited with code" in lines[-1], bad.stderr[-3000:]
+    assert not list((tmp_path / "s2").glob("*.sock"))

@@ -285,3 +285,17 @@ def test_skeleton_falls_back_to_parameters_on_meta_when_construction_reads_value
     assert m.local.tolist() == [1, 2]
     plain = vllm_loader._skeleton(lambda: nn.Linear(2, 2), torch.device("cpu"), {})
     assert plain.weight.is_meta
+
+
+def test_the_front_end_plans_a_local_one_node_preload_from_the_flags(tmp_path):
+    """Those start their daemons without importing vLLM; anything that needs vLLM's config to plan goes through it."""
+    from weightcache.preload.vllm_frontend import _light_plan
+
+    m = str(tmp_path)
+    plan = _light_plan([m, "--tensor_parallel_size=2", "-pp", "2", "--enable-expert-parallel", "--dtype", "bfloat16"])
+    assert plan is not None and (plan["model"], plan["tp"], plan["pp"], plan["ep"]) == (m, 2, 2, True)
+    assert _light_plan(["--model", m, "--max-model-len", "-1"])["tp"] == 1
+    for needs_vllm in ([m, "-dp", "2"], [m, "--data-parallel-size-local", "1"], [m, "--nnodes", "2"],
+                       [m, "--speculative-config", "{}"], [m, "--config", "c.yaml"], [m, "--help"],
+                       [m, "-tp", "two"], [str(tmp_path / "absent")], ["org/model-on-the-hub"]):
+        assert _light_plan(needs_vllm) is None, needs_vllm

@@ -191,9 +191,14 @@ def _init_distributed(placement, master_addr: str, master_port: int, role: str, 
 
     backend = current_platform.dist_backend
     # vLLM's CPU shared-memory communicator names its segments after this.
-    os.environ.setdefault("VLLM_DIST_IDENT", f"weightcache-{role}-{master_port}")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"weightcache-{role}-{master_port or os.getpid()}")
     if not dist.is_initialized():
-        store = dist.TCPStore(master_addr, master_port, None, False, timeout=timedelta(seconds=timeout_s))
+        if master_port:
+            store = dist.TCPStore(master_addr, master_port, None, False, timeout=timedelta(seconds=timeout_s))
+        elif placement.world_size == 1:  # a rank alone, planned without the supervisor's store
+            store = dist.HashStore()
+        else:
+            raise WeightCacheError(f"{role}: {placement.world_size} ranks need the supervisor's store port")
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"weightcache/{role}/vllm-pg/", store),
                                 world_size=placement.world_size, rank=placement.rank,
                                 timeout=timedelta(seconds=timeout_s))
