@@ -144,7 +144,8 @@ def start_preload(a, sdir: str, work: Path) -> subprocess.Popen:
     t0 = time.perf_counter()
     for line in proc.stdout:
         if line.startswith("weightcache READY"):
-            print(f"preload READY in {time.perf_counter() - t0:.1f} s: {line.strip()}", flush=True)
+            proc.ready = {"seconds": round(time.perf_counter() - t0, 3), "line": line.strip()}
+            print(f"preload READY in {proc.ready['seconds']:.1f} s: {line.strip()}", flush=True)
             return proc
     raise SystemExit(f"preload failed: {(work / 'preload.log').read_text()[-3000:]}")
 
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
     out = Path(a.out or ROOT / "bench" / "results" / "vllm-restart.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": a.model, "eager": a.eager, "runs": runs, "medians": table,
+                               "preload_ready": getattr(preload, "ready", None),
                                "same_text": len(texts) == 1, "logs": str(work)}, indent=1))
     print(f"wrote {out}; logs in {work}")
     return 0 if len(texts) == 1 else 1
