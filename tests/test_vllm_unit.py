@@ -299,3 +299,32 @@ def test_the_front_end_plans_a_local_one_node_preload_from_the_flags(tmp_path):
                        [m, "--speculative-config", "{}"], [m, "--config", "c.yaml"], [m, "--help"],
                        [m, "-tp", "two"], [str(tmp_path / "absent")], ["org/model-on-the-hub"]):
         assert _light_plan(needs_vllm) is None, needs_vllm
+
+
+def test_an_attach_freezes_the_start_up_heap_and_later_garbage_is_still_collected():
+    """vLLM's memory profiler collects twice after the loader returns: with the start-up heap frozen those passes
+    skip it. Young garbage goes first (it must not be frozen), and garbage made later is still collected."""
+    import gc
+    import weakref
+
+    from weightcache.integrations.vllm.loader import freeze_startup_heap
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    before = Cycle()
+    gone_before = weakref.ref(before)
+    del before
+    frozen = gc.get_freeze_count()
+    try:
+        freeze_startup_heap()
+        assert gone_before() is None
+        assert gc.get_freeze_count() > frozen
+        after = Cycle()
+        gone_after = weakref.ref(after)
+        del after
+        gc.collect()
+        assert gone_after() is None
+    finally:
+        gc.unfreeze()
