@@ -105,6 +105,35 @@ def test_the_stream_reads_at_most_ahead_batches_before_the_consumer(tmp_path):
         assert held <= (s.ahead + 1) * max(20_000, max(e.nbytes for e in entries.values()))
 
 
+def test_the_stream_says_whether_its_consumer_waited_for_the_reader(tmp_path, monkeypatch):
+    """A slow reader shows as the consumer's waiting; a slow consumer leaves the reader ahead (no wait)."""
+    import time
+
+    ckpt, entries = _stream_ckpt(tmp_path)
+    order = sorted(entries)
+    fast_read = CheckpointStream._read
+
+    def slow_read(self, names):
+        time.sleep(0.1)
+        return fast_read(self, names)
+
+    monkeypatch.setattr(CheckpointStream, "_read", slow_read)
+    with CheckpointStream(entries, order, "cpu", ReadSettings.make(progress=False), batch_bytes=20_000,
+                          ahead=2) as s:
+        batches = len(s.batches)
+        dict(s)
+    assert s.timings["consumer waited"] >= 0.08 * batches
+    assert s.timings["read"] > 0 and s.timings["allocate"] > 0
+
+    monkeypatch.setattr(CheckpointStream, "_read", fast_read)
+    with CheckpointStream(entries, order, "cpu", ReadSettings.make(progress=False), batch_bytes=20_000,
+                          ahead=2) as s:
+        for name in order:
+            s.take(name)
+            time.sleep(0.02)
+    assert s.timings["consumer waited"] < 0.01 * len(order)
+
+
 def test_batches_keep_order_and_a_large_tensor_alone(tmp_path):
     _, entries = _stream_ckpt(tmp_path)
     order = sorted(entries)

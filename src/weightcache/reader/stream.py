@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class CheckpointStream:
         self.report = report or (lambda n: None)
         self.nbytes = sum(entries[n].nbytes for n in self.order)
         self.reread = 0  # tensors read again on their own (asked for after their batch was retired)
+        # seconds: the reader allocating and filling, and the consumer waiting for it (they overlap otherwise)
+        self.timings = {"allocate": 0.0, "read": 0.0, "consumer waited": 0.0}
         self._ready: dict[str, torch.Tensor] = {}
         self._left: list[int] = [len(b) for b in self.batches]  # per batch: tensors not yet taken
         self._taken: set[str] = set()
@@ -91,12 +94,15 @@ class CheckpointStream:
                 late = False
                 self._demand = max(self._demand, b + 1)
                 self._cond.notify_all()
+                waited_from = time.perf_counter() if name not in self._ready else None
                 while name not in self._ready:
                     if self._error is not None:
                         raise CheckpointError(f"reading the checkpoint failed: {self._error}") from self._error
                     if self._stop:
                         raise CheckpointError("the checkpoint stream is closed")
                     self._cond.wait(0.5)
+                if waited_from is not None:
+                    self.timings["consumer waited"] += time.perf_counter() - waited_from
                 t = self._ready.pop(name)
                 self._taken.add(name)
                 self._left[b] -= 1
@@ -171,7 +177,9 @@ class CheckpointStream:
         return ReadPlan(pieces), views
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
         plan, views = self._plan(names)
+        t1 = time.perf_counter()
         if self.device.type == "cuda":
             # memory the consumer freed may still be read by its queued copies: wait for them
             self._consumer_stream.synchronize()
@@ -180,6 +188,8 @@ class CheckpointStream:
             from .cpu_fill import CpuFill
 
             CpuFill(plan, self.settings, views, self.report).run()
+        self.timings["allocate"] += t1 - t0
+        self.timings["read"] += time.perf_counter() - t1
         return views
 
     def _read_alone(self, name: str) -> torch.Tensor:

@@ -89,6 +89,8 @@ class _Observe(LoadingSteps):
                 streamed.release_held()
                 self.reread = stream.reread
         self.phases["load"] = time.monotonic() - t0
+        if stream is not None:  # within "load": where its time went
+            self.phases.update({f"load: {k}": v for k, v in stream.timings.items()})
         self._t1 = time.monotonic()
         # the conversions that matched the checkpoint, kept on the model for saving it again
         used = getattr(model, "_weight_conversions", None) or []

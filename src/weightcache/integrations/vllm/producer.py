@@ -171,6 +171,7 @@ def build_model(vllm_config, model_config, *, prefix: str = "", read: ReadSettin
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
     if "loaded" in seen:
         phases["post-process"] = time.monotonic() - seen["loaded"]
+    phases.update({k: v for k, v in seen.items() if k.startswith("load: ")})  # within "load": where it went
     if "before" not in seen:
         raise WeightCacheError(f"{type(loader).__name__}.load_model did not call load_weights: this loader "
                                "cannot be captured by weightcache")

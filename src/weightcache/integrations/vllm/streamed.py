@@ -70,6 +70,8 @@ def read_with_weightcache(device: torch.device, settings: ReadSettings, report=N
             if stats is not None:
                 stats["reread"] = stats.get("reread", 0) + stream.reread
                 stats["nbytes"] = stats.get("nbytes", 0) + stream.nbytes
+                for k, v in stream.timings.items():
+                    stats[f"load: {k}"] = stats.get(f"load: {k}", 0.0) + v
 
     default_loader.safetensors_weights_iterator = iterator
     try:
