@@ -125,6 +125,17 @@ def test_the_stream_says_whether_its_consumer_waited_for_the_reader(tmp_path, mo
     assert s.timings["consumer waited"] >= 0.08 * batches
     assert s.timings["read"] > 0 and s.timings["allocate"] > 0
 
+    began = time.perf_counter()  # consumers on two threads (as transformers loads): their waits count once
+    with CheckpointStream(entries, order, "cpu", ReadSettings.make(progress=False), batch_bytes=20_000,
+                          ahead=2) as s:
+        threads = [threading.Thread(target=lambda part: [s.take(n) for n in part], args=(order[i::2],))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert 0.08 * batches <= s.timings["consumer waited"] <= time.perf_counter() - began
+
     monkeypatch.setattr(CheckpointStream, "_read", fast_read)
     with CheckpointStream(entries, order, "cpu", ReadSettings.make(progress=False), batch_bytes=20_000,
                           ahead=2) as s:

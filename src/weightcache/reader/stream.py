@@ -61,8 +61,11 @@ class CheckpointStream:
         self.report = report or (lambda n: None)
         self.nbytes = sum(entries[n].nbytes for n in self.order)
         self.reread = 0  # tensors read again on their own (asked for after their batch was retired)
-        # seconds: the reader allocating and filling, and the consumer waiting for it (they overlap otherwise)
+        # seconds: the reader allocating and filling, and the consumer waiting for it (they overlap otherwise;
+        # consumers on several threads count once while any of them waits)
         self.timings = {"allocate": 0.0, "read": 0.0, "consumer waited": 0.0}
+        self._waiting = 0
+        self._wait_began = 0.0
         self._ready: dict[str, torch.Tensor] = {}
         self._left: list[int] = [len(b) for b in self.batches]  # per batch: tensors not yet taken
         self._taken: set[str] = set()
@@ -94,15 +97,18 @@ class CheckpointStream:
                 late = False
                 self._demand = max(self._demand, b + 1)
                 self._cond.notify_all()
-                waited_from = time.perf_counter() if name not in self._ready else None
-                while name not in self._ready:
-                    if self._error is not None:
-                        raise CheckpointError(f"reading the checkpoint failed: {self._error}") from self._error
-                    if self._stop:
-                        raise CheckpointError("the checkpoint stream is closed")
-                    self._cond.wait(0.5)
-                if waited_from is not None:
-                    self.timings["consumer waited"] += time.perf_counter() - waited_from
+                if name not in self._ready:
+                    self._begin_wait()
+                    try:
+                        while name not in self._ready:
+                            if self._error is not None:
+                                raise CheckpointError(f"reading the checkpoint failed: {self._error}") \
+                                    from self._error
+                            if self._stop:
+                                raise CheckpointError("the checkpoint stream is closed")
+                            self._cond.wait(0.5)
+                    finally:
+                        self._end_wait()
                 t = self._ready.pop(name)
                 self._taken.add(name)
                 self._left[b] -= 1
@@ -112,6 +118,16 @@ class CheckpointStream:
             self.reread += 1
             t = self._read_alone(name)
         return t
+
+    def _begin_wait(self) -> None:  # under the lock
+        if self._waiting == 0:
+            self._wait_began = time.perf_counter()
+        self._waiting += 1
+
+    def _end_wait(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            self.timings["consumer waited"] += time.perf_counter() - self._wait_began
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.order:
