@@ -6,7 +6,7 @@
 #   tools/gpu_session.sh first-load ARGS...     bench/first_load.py ARGS
 #   tools/gpu_session.sh verify                 bench/verify.py
 #   tools/gpu_session.sh hash [ARGS]            bench/hash.py on this machine's cores
-#   tools/gpu_session.sh vllm-tests ARGS...     the vLLM GPU tests (needs every vLLM part)
+#   tools/gpu_session.sh vllm-tests ARGS...     the vLLM GPU tests (needs every vLLM part; -n 8 runs 8 at once)
 #   tools/gpu_session.sh vllm-restart ARGS...   bench/vllm_restart.py ARGS (needs every vLLM part)
 #   tools/gpu_session.sh check                  versions, GPU, /dev/shm
 set -uo pipefail
@@ -60,8 +60,9 @@ case "$what" in
     python3 bench/hash.py --out "$OUT/hash.json" "$@" 2>&1 \
       | tee "$OUT/hash.log" | tail -20
     ;;
-  vllm-tests)
-    python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu and vllm" "$@" 2>&1 | tee -a "$OUT/vllm-gpu-tests.log" | tail -40
+  vllm-tests)  # one line per test as it ends (-v), so that a run cut short by its time limit still says which passed
+    python3 -m pytest -v -rfEP -p no:cacheprovider -m "gpu and vllm" "$@" 2>&1 | tee -a "$OUT/vllm-gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|QUANT|passed|failed|^E " | tail -60
     ;;
   vllm-restart)
     python3 bench/vllm_restart.py --out "$OUT/vllm-restart.json" "$@" 2>&1 | tee -a "$OUT/vllm-restart.log" | tail -40
