@@ -270,6 +270,20 @@ def test_static_input_scales_are_shared_by_the_layers_that_read_the_same_input(t
     assert len(set(scales.values())) > len(scales) // 3  # the rest differ, as calibrated scales do
 
 
+@pytest.mark.vllm
+def test_vllm_builds_the_routers_of_a_block_fp8_moe_checkpoint_unquantized(tmp_path):
+    """The bf16 routers are named in modules_to_not_convert: vLLM's Fp8Config skips them (else it builds a router
+    as a block-FP8 layer whose scales the checkpoint never fills)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    cfg = json.loads((_make(tmp_path, "fp8-block", "qwen3_moe") / "config.json").read_text())["quantization_config"]
+    qc = Fp8Config.from_config(cfg)
+    assert is_layer_skipped("model.layers.1.mlp.gate", qc.ignored_layers, {})
+    assert not is_layer_skipped("model.layers.1.self_attn.q_proj", qc.ignored_layers, {})
+
+
 # ---- vLLM's CPU build loads them -------------------------------------------------------------------------------
 
 
