@@ -174,14 +174,24 @@ def test_the_record_names_the_preload_as_it_started(monkeypatch):
     assert record.record_id(argv, environ=dict(os.environ)) != at_start  # an explicit environment still counts
 
 
-def test_a_vllm_preload_run_again_comes_back_without_vllm(ckpt, env, tmp_path, started):
+def _vllm_preload(ckpt, sdir, *extra) -> list:
+    return [ckpt, "--engine", "vllm", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", 256,
+            "--weight-cache-socket-dir", sdir, *extra]
+
+
+def test_a_vllm_preload_starts_without_vllm_and_run_again_comes_back_without_it(ckpt, env, tmp_path, started):
+    """A local model on one node: the front end plans the daemons from the flags (each daemon builds vLLM's
+    config itself), and the same preload run again comes back from its record."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     sdir, mods = tmp_path / "s", tmp_path / "mods"
-    args = [ckpt, "--engine", "vllm", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", 256,
-            "--weight-cache-socket-dir", sdir]
+    args = _vllm_preload(ckpt, sdir)
     first = Preload(args, env, tmp_path, "p1")
     started.append(first)
     first.wait_ready()
+    assert "planned from the flags" in first.stderr, first.stderr
+    imported = _imported(mods)
+    assert "vllm" in imported["main-r0"]
+    assert not set(ENGINES) & imported["supervisor"], set(ENGINES) & imported["supervisor"]
     socks = sorted(str(p) for p in sdir.glob("*.sock"))
     served = {s: block_digests(s) for s in socks}
     sigkill_all(first)
@@ -200,25 +210,11 @@ def test_a_vllm_preload_run_again_comes_back_without_vllm(ckpt, env, tmp_path, s
     _held_by_nobody(sdir, 1)
 
 
-def test_a_first_vllm_preload_starts_its_daemons_without_importing_vllm(ckpt, env, tmp_path, started):
-    """A local model on one node: the front end plans the daemons from the flags; each daemon builds vLLM's
-    config itself. A flag vLLM does not know fails in one line naming it."""
+def test_a_flag_vllm_does_not_know_fails_the_preload_in_one_line(ckpt, env, tmp_path, started):
+    """Planned from the flags, the preload leaves vLLM's flags to its daemons: vLLM's parser names the bad one."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    sdir, mods = tmp_path / "s", tmp_path / "mods"
-    args = [ckpt, "--engine", "vllm", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", 256,
-            "--weight-cache-socket-dir", sdir]
-    first = Preload(args, env, tmp_path, "p1")
-    started.append(first)
-    first.wait_ready()
-    assert "planned from the flags" in first.stderr, first.stderr
-    imported = _imported(mods)
-    assert "vllm" in imported["main-r0"]
-    assert not set(ENGINES) & imported["supervisor"], set(ENGINES) & imported["supervisor"]
-    sigkill_all(first)
-    _held_by_nobody(sdir, 1)
-
-    bad = Preload([ckpt, "--engine", "vllm", "--enforce-eager", "--no-such-vllm-flag", "3",
-                   "--weight-cache-socket-dir", tmp_path / "s2", "--weight-cache-no-custodian"], env, tmp_path, "p2")
+    bad = Preload(_vllm_preload(ckpt, tmp_path / "s2", "--no-such-vllm-flag", "3", "--weight-cache-no-custodian"),
+                  env, tmp_path, "p2")
     started.append(bad)
     assert bad.proc.wait(120) != 0
     lines = [ln for ln in bad.stderr.splitlines() if "unrecognized arguments: --no-such-vllm-flag 3" in ln]

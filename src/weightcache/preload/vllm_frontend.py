@@ -242,12 +242,10 @@ def _preload_light(plan: dict, argv: list[str], given: list[str]) -> int:
     from ..digests import start_checkpoint_digest
     from .frontend import _free_port
     from .layout import Layout
-    from .options import UsageError, resolve_socket_dir, run_supervisor
+    from .options import UsageError, configure_logging, resolve_socket_dir, run_supervisor
     from .supervisor import Group
 
     args = _weight_cache_args(argv)
-    from .options import configure_logging
-
     configure_logging(args.log_level)
     if (option_value(argv, "--load-format") or option_value(argv, "--load_format")) == "weightcache":
         raise UsageError("the daemons load from the checkpoint themselves: drop --load-format weightcache "
