@@ -8,6 +8,7 @@
 #   tools/gpu_session.sh hash [ARGS]            bench/hash.py on this machine's cores
 #   tools/gpu_session.sh vllm-tests ARGS...     the vLLM GPU tests (needs every vLLM part; -n 8 runs 8 at once)
 #   tools/gpu_session.sh vllm-restart ARGS...   bench/vllm_restart.py ARGS (needs every vLLM part)
+#   tools/gpu_session.sh engine-imports MODEL   bench/engine_imports.py: what vLLM's engine imports beyond the warm ones
 #   tools/gpu_session.sh check                  versions, GPU, /dev/shm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,11 @@ case "$what" in
     ;;
   vllm-restart)
     python3 bench/vllm_restart.py --out "$OUT/vllm-restart.json" "$@" 2>&1 | tee -a "$OUT/vllm-restart.log" | tail -40
+    ;;
+  engine-imports)
+    python3 bench/engine_imports.py discover --model "$1" --out "$OUT/engine-imports.json" 2>&1 | tail -3
+    python3 bench/engine_imports.py time --list "$OUT/engine-imports.json" --out "$OUT/engine-imports-time.json" 2>&1 \
+      | tee "$OUT/engine-imports.log" | tail -30
     ;;
   *) echo "unknown step: $what"; exit 2 ;;
 esac
