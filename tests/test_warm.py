@@ -512,6 +512,39 @@ def test_command_lines_resolve_as_python_would(tmp_path):
 
 # ----------------------------------------------------------------------------------------- preload's handle
 
+def _model_dir(path: Path, arch: str, model_type: str) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
+    return path
+
+
+def test_the_warm_interpreter_imports_the_models_modules_too(sockdir, fake_pkg, tmp_path):
+    model = _model_dir(tmp_path / "m", "Qwen3ForCausalLM", "qwen3")
+    w = start_warm(sockdir, _env(fake_pkg), "--model", str(model), "--model", str(tmp_path / "no-such-model"),
+                   imports=("transformers",))
+    try:
+        names = {m.name for m in warm_client.query(w.path).modules}
+        assert "transformers.models.qwen3.modeling_qwen3" in names
+        assert not any(n.startswith("transformers.models.llama.modeling") for n in names)
+    finally:
+        w.proc.terminate()
+        w.proc.wait(T)
+
+
+def test_a_models_modules_are_vllms_and_transformers_for_its_architecture(tmp_path):
+    pytest.importorskip("vllm")
+    import transformers  # noqa: F401
+    import vllm  # noqa: F401
+
+    from weightcache.warm.models import model_modules
+
+    moe = _model_dir(tmp_path / "moe", "Qwen3MoeForCausalLM", "qwen3_moe")
+    assert model_modules(moe) == ["vllm.model_executor.models.qwen3_moe",
+                                  "transformers.models.qwen3_moe.modeling_qwen3_moe"]
+    odd = _model_dir(tmp_path / "odd", "NoSuchArchitecture", "no-such type")
+    assert model_modules(odd) == [] and model_modules(tmp_path / "missing") == []
+
+
 def test_the_preload_service_starts_reuses_and_retires(sockdir, fake_pkg, monkeypatch):
     from weightcache.warm import service
 

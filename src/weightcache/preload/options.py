@@ -169,7 +169,8 @@ def run_supervisor(groups, socket_dir, args, *, argv: list[str] | None = None, c
                          keep_on_stop=args.weight_cache_keep_on_stop, remember=remember,
                          digests=list(digests), hold_after_exit=args.weight_cache_hold_after_exit,
                          scrub_interval=args.weight_cache_scrub_interval or 0.0,
-                         warm_engine=getattr(args, "weight_cache_warm_engine", False))
+                         warm_engine=getattr(args, "weight_cache_warm_engine", False),
+                         warm_models=[str(Path(c).resolve()) for c in checkpoints])
     except StartError as e:
         raise UsageError(str(e)) from None
     return sup.run()

@@ -71,7 +71,7 @@ class Supervisor:
                  custodian: bool = True, keep_on_stop: bool = False, restart: bool = True,
                  remember: dict | None = None, local_rendezvous: bool = False, digests: list | None = None,
                  hold_after_exit: float = DEFAULT_HOLD_AFTER_EXIT_S, scrub_interval: float = 0.0,
-                 warm_engine: bool = False, status_details: bool = False):
+                 warm_engine: bool = False, warm_models: list[str] = (), status_details: bool = False):
         """``remember``: {"argv", "checkpoints", "options"} of the front end's command line; once READY the
         supervisor writes them with every rank's key into a record its own restart comes back from
         (``record.py``). ``local_rendezvous``: no daemon meets its peers through the rendezvous store (a
@@ -117,6 +117,7 @@ class Supervisor:
         self.digests = list(digests or [])  # (what, Future): checkpoint hashes running while the daemons start
         self.warm = None  # warm.service.WarmService with --warm-engine
         self.warm_engine = warm_engine
+        self.warm_models = list(warm_models)  # model directories whose modules the warm interpreter imports too
 
     @property
     def node_rank(self) -> int:
@@ -167,7 +168,7 @@ class Supervisor:
         if self.warm_engine:
             from ..warm.service import WarmService
 
-            self.warm = WarmService(self.socket_dir)
+            self.warm = WarmService(self.socket_dir, models=self.warm_models)
             self.warm.start()
         for g in self.groups:
             rdv = Rendezvous(group=g.role, master_addr=g.master_addr, master_port=g.master_port,

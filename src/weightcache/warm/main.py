@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket-dir", default=None, help="default: the per-user socket directory")
     p.add_argument("--import", dest="imports", action="append", default=None, metavar="MODULE",
                    help=f"a module to import (repeatable; default: {', '.join(DEFAULT_IMPORTS)})")
+    p.add_argument("--model", dest="models", action="append", default=[], metavar="DIR",
+                   help="a model directory: import its architecture's vLLM and transformers modules too (repeatable)")
     p.add_argument("--ignore-env", action="append", default=[], metavar="NAME",
                    help="a variable whose value may differ between this interpreter and the engines")
     p.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="S",
@@ -125,6 +127,10 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
             log.info("imported %s in %.2f s", name, seconds)
 
     import_modules(imports, first, on_module)
+    if args.models:
+        from .models import model_modules
+
+        import_modules(list(dict.fromkeys(m for d in args.models for m in model_modules(d))), first, on_module)
     identity = Identity(env_at_start, first, set(args.ignore_env))
     for name, seconds in done:
         identity.add_module(name, seconds)

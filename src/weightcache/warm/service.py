@@ -24,9 +24,10 @@ LOG_NAME = "warm.log"  # in the socket directory: what the warm interpreter says
 
 
 class WarmService:
-    def __init__(self, socket_dir: str | Path, imports: list[str] | None = None):
+    def __init__(self, socket_dir: str | Path, imports: list[str] | None = None, models: list[str] = ()):
         self.socket_dir = Path(socket_dir)
         self.imports = imports  # None: the warm interpreter's defaults
+        self.models = list(models)  # model directories whose architecture's modules it imports too
         self.path = warm_socket_path(self.socket_dir)
         self.proc: subprocess.Popen | None = None
         self.reused_pid = 0
@@ -49,6 +50,8 @@ class WarmService:
         argv = [sys.executable, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(self.socket_dir)]
         for name in self.imports or ():
             argv += ["--import", name]
+        for model in self.models:
+            argv += ["--model", model]
         with open(self.socket_dir / LOG_NAME, "ab") as logf:
             self.proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, close_fds=True)
