@@ -131,7 +131,7 @@ def test_attach_generates_what_a_disk_load_generates(work, case):
     a, b = torch.load(dumps["disk"]), torch.load(dumps["attach"])
     assert parity(a, b) == []
     assert st.key.quantization != "none" and "kernels" in st.key.extra
-    print(f"QUANT {case}: tokens {ref['tokens'][0]}, {len(a)} tensors equal, {st.nbytes / 2**20:.1f} MiB held; "
+    print(f"QUANT {case}: tokens {ref['tokens'][0]}, {len(a)} tensors equal, {st.nbytes / 2**20:.1f} MiB held, peak {st.peak_device_bytes / 2**20:.1f} MiB; "
           f"{'; '.join(_kernels(ref))}")
 
 
