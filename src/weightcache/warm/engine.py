@@ -40,6 +40,7 @@ class Forked:
     command: PythonCommand
     fds: list[int]  # received, in the order of run.fds
     launcher: str  # the spawn executable for its multiprocessing children ("" for none)
+    learn_dir: str = ""  # where it records the modules it imports (learned.py; "" for nowhere)
 
 
 def become(job: Forked) -> int:
@@ -50,6 +51,10 @@ def become(job: Forked) -> int:
         with contextlib.suppress(OSError):
             os.write(2, f"weightcache: cannot start {job.run.argv[0]} from the warm interpreter: {e}\n".encode())
         os._exit(EXIT_CANNOT_START)
+    if job.learn_dir:
+        from .learned import record_later
+
+        record_later(job.learn_dir)
     return _run_main(job)
 
 

@@ -147,12 +147,16 @@ class Identity:
         self.python = sys.version.split()[0]
         self.env = dict(env_at_start)
         self.ignore = set(ignore)
-        read = {n for n, (how, _) in first.items() if how != "write"}
-        self.defaults = {n: d for n, (how, d) in first.items() if how == "default"}
-        self.names = {n for n in read | set(STARTUP_ENV) if n not in VOLATILE_ENV | PER_RUN_ENV | self.ignore}
+        self.update_env(first)
         self.modules: list[_Module] = []
         self.import_seconds = 0.0
         self._dists: dict[str, list[str]] | None = None
+
+    def update_env(self, first: dict[str, tuple[str, str | None]]) -> None:
+        """The variables that must match, from what the imports so far read (`first`, see watch_environ)."""
+        read = {n for n, (how, _) in first.items() if how != "write"}
+        self.defaults = {n: d for n, (how, d) in first.items() if how == "default"}
+        self.names = {n for n in read | set(STARTUP_ENV) if n not in VOLATILE_ENV | PER_RUN_ENV | self.ignore}
 
     def add_module(self, name: str, seconds: float) -> None:
         if self._dists is None:

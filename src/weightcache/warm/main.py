@@ -16,6 +16,8 @@ from ..sockets import ensure_private_dir, warm_socket_path
 from .engine import become
 from .identity import Identity, import_modules
 from .launcher import write_launcher
+from .learned import Learner
+from .learned import directory as learned_directory
 from .server import KILL_GRACE_S, WarmServer, cuda_initialized
 
 log = logging.getLogger("weightcache.warm.main")
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a variable whose value may differ between this interpreter and the engines")
     p.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="S",
                    help="when a client dies, SIGKILL its engine this long after SIGTERM")
+    p.add_argument("--no-learn", action="store_true",
+                   help="engines do not record the modules they import, and this interpreter imports none of them")
     p.add_argument("--no-spawn", action="store_true",
                    help="engines' multiprocessing spawn children start a fresh interpreter")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -131,19 +135,29 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
         from .models import model_modules
 
         import_modules(list(dict.fromkeys(m for d in args.models for m in model_modules(d))), first, on_module)
-    identity = Identity(env_at_start, first, set(args.ignore_env))
-    for name, seconds in done:
-        identity.add_module(name, seconds)
     if cuda_initialized():
         print("weightcache warm-engine: error: importing " + ", ".join(imports) + " created a CUDA context; an "
               "engine forked from here could not use CUDA. Leave out the module that does it (--import)",
               file=sys.stderr)
         return None, 1
+    learner = None
+    if not args.no_learn:
+        learner = Learner(learned_directory(path.parent), first, cuda_initialized=cuda_initialized)
+        if not learner.learn():
+            print("weightcache warm-engine: error: a module that engines imported before created a CUDA context "
+                  "here; it is forgotten: start the warm interpreter again", file=sys.stderr)
+            return None, 1
+    identity = Identity(env_at_start, first, set(args.ignore_env))
+    for name, seconds in done:
+        identity.add_module(name, seconds)
+    if learner is not None:
+        learner.identity = identity
+        identity.import_seconds += learner.seconds
     _prepare_title()
     gc.collect()
     gc.freeze()  # what the imports made is shared with every engine: no GC pass of theirs copies its pages
     launcher = "" if args.no_spawn else write_launcher(path)
-    server = WarmServer(path, identity, kill_grace=args.kill_grace, launcher=launcher)
+    server = WarmServer(path, identity, kill_grace=args.kill_grace, launcher=launcher, learner=learner)
     try:
         if not server.bind():
             log.info("a warm engine interpreter already serves %s", path)
@@ -153,6 +167,8 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
         return None, 1
     mods = ", ".join(f"{m.stamp.distribution or m.stamp.name} {m.stamp.version}".strip() for m in identity.modules
                      if "." not in m.stamp.name)
+    if learner is not None and learner.learned:
+        mods += f" and {len(learner.learned)} module(s) engines imported before"
     print(f"weightcache warm-engine READY pid {os.getpid()}: {mods or 'nothing'} imported in "
           f"{identity.import_seconds:.1f} s; {len(identity.env_names())} environment variable(s) must match; "
           f"socket {path}", file=sys.stderr, flush=True)

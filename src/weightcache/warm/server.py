@@ -87,11 +87,12 @@ def _high_socket(sock: socket.socket) -> socket.socket:
 
 class WarmServer:
     def __init__(self, socket_path: str | Path, identity: Identity, *, kill_grace: float = KILL_GRACE_S,
-                 launcher: str = ""):
+                 launcher: str = "", learner=None):
         self.socket_path = Path(socket_path)
         self.identity = identity
         self.kill_grace = kill_grace
         self.launcher = launcher
+        self.learner = learner  # learned.Learner: imports what engines recorded (None: engines record nothing)
         self.pid = os.getpid()
         self.started_at = time.time()
         self.flags = commands.fixed_flags_of(list(getattr(sys, "orig_argv", [sys.executable])))
@@ -168,6 +169,9 @@ class WarmServer:
                     log.warning("%s was removed or replaced: no one can reach this warm interpreter; retiring",
                                 self.socket_path)
                     self.retire()
+                if not self.retiring and self.learner is not None and self.learner.changed():
+                    if not self.learner.learn():
+                        self.retire()
         signal.set_wakeup_fd(old_wakeup)
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -326,7 +330,9 @@ class WarmServer:
             return None, False
         if pid == 0:
             conn.close()
-            return Forked(run=msg, command=cmd, fds=fds, launcher=self.launcher if msg.spawn else ""), False
+            learn_dir = str(self.learner.dir) if self.learner is not None else ""
+            return Forked(run=msg, command=cmd, fds=fds, launcher=self.launcher if msg.spawn else "",
+                          learn_dir=learn_dir), False
         self.started += 1
         pidfd = _high(os.pidfd_open(pid))
         job = _Job(pid=pid, pidfd=pidfd, conn=conn, client_pid=client_pid, argv=list(msg.argv))
