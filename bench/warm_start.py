@@ -9,6 +9,7 @@ a random-weight Llama from weightcache.testing, --enforce-eager unless --compile
   warm-children   the same with a warm interpreter told to --ignore-env the variables vLLM's CPU platform sets for
                   its children (--children-ignore; CPU only: LD_PRELOAD of torch's libgomp, an inductor setting),
                   so that the engine core and its worker fork warm too, as they do on a GPU without it
+  *-nolearn       a warm kind whose interpreter does not import what earlier engines imported (--no-learn)
 
 Phases from the arrival of the engine's output lines (each process tags its lines): start -> the API server's
 first line (interpreter + imports) -> the engine core's first line (config, engine core start and its imports)
@@ -51,9 +52,12 @@ PHASES = (("imports", "start -> API server's first line"), ("core", "-> engine c
           ("total", "start -> first completion"))
 
 
-def start_warm(sockdir: Path, env: dict, ignore: tuple[str, ...]) -> tuple[subprocess.Popen, float, list[str]]:
+def start_warm(sockdir: Path, env: dict, ignore: tuple[str, ...],
+               learn: bool = True) -> tuple[subprocess.Popen, float, list[str]]:
     sockdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir)]
+    if not learn:
+        argv.append("--no-learn")
     for name in ignore:
         argv += ["--ignore-env", name]
     t0 = time.monotonic()
@@ -177,10 +181,11 @@ def main() -> int:
         for kind in kinds:
             if kind == "cold":
                 continue
-            ignore = tuple(n for n in args.children_ignore.split(",") if n) if kind == "warm-children" else ()
+            children = kind.startswith("warm-children")
+            ignore = tuple(n for n in args.children_ignore.split(",") if n) if children else ()
             sockdir = work / f"s-{kind}"
             shutil.rmtree(sockdir, ignore_errors=True)
-            proc, seconds, lines = start_warm(sockdir, env, ignore)
+            proc, seconds, lines = start_warm(sockdir, env, ignore, learn=not kind.endswith("-nolearn"))
             servers[kind] = (proc, sockdir)
             warm_info[kind] = {"ready_seconds": seconds, "ignore_env": list(ignore),
                                "ready_line": next((x.strip() for x in lines if "READY" in x), "")}
