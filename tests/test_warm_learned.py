@@ -85,6 +85,20 @@ def test_a_learned_module_that_makes_a_cuda_context_is_forgotten(tmp_path, site)
     assert list(where.iterdir()) == [] and not lr.learned
 
 
+def test_a_learned_module_that_starts_a_thread_is_forgotten(tmp_path, site):
+    (site / "wclearn" / "threaded.py").write_text(
+        "import threading\nSTOP = threading.Event()\n"
+        "threading.Thread(target=STOP.wait, name='wclearn-bg', daemon=True).start()\n")
+    where = tmp_path / "learn"
+    lr = Learner(where)
+    (where / "9.modules").write_text("wclearn.threaded\n")
+    try:
+        assert not lr.learn()
+        assert list(where.iterdir()) == [] and not lr.learned
+    finally:
+        sys.modules["wclearn.threaded"].STOP.set()
+
+
 # ----------------------------------------------------------------------------------- with a warm interpreter
 
 ENGINE = r'''

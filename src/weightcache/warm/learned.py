@@ -103,12 +103,14 @@ class Learner:
         self._seen: tuple = ()
 
     def learn(self) -> bool:
-        """Import what is pending; False (and everything learned forgotten) if that made a CUDA context."""
+        """Import what is pending; False (and everything learned forgotten) if that made a CUDA context or
+        started a thread: a fork would then give engines a broken CUDA or locks held by a thread they lack."""
         from .identity import import_modules
 
         names = self.pending()
         ok: list[str] = []
         bad: list[str] = []
+        threads = set(threading.enumerate())
         t0 = time.perf_counter()
         import_modules(names, self.first, lambda name, _s, error: (bad if error else ok).append(name))
         if self.identity is not None:
@@ -117,9 +119,12 @@ class Learner:
         if names:
             log.info("imported %d module(s) that engines imported after the warm ones in %.2f s (%d failed)",
                      len(ok), time.perf_counter() - t0, len(bad))
-        if self.cuda_initialized():
-            log.error("a module that an engine imported made a CUDA context here: forgetting what engines "
-                      "imported; no engine can start from this interpreter")
+        started = [t.name for t in threading.enumerate() if t not in threads and t.is_alive()]
+        why = "made a CUDA context" if self.cuda_initialized() else (
+            f"started thread(s) {', '.join(started)}, which a fork would not carry" if started else "")
+        if why:
+            log.error("a module that an engine imported %s here: forgetting what engines imported; no engine can "
+                      "start from this interpreter", why)
             self.forget()
             return False
         self.done(ok, bad)
@@ -166,7 +171,7 @@ class Learner:
         self._seen = ()
 
     def forget(self) -> None:
-        """Drop everything learned (what it imported made a CUDA context)."""
+        """Drop everything learned (what it imported made a CUDA context or started a thread)."""
         self.learned.clear()
         for p in [*self._records(), self.dir / KEPT]:
             with contextlib.suppress(OSError):
