@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from ..errors import LayoutError
 
@@ -126,17 +127,30 @@ def plan_groups(args, vllm_config) -> list:
 
 def vllm_source(placement, *, argv: list[str] | None = None, vllm_config=None, **kwargs):
     """The daemon's source (runs in the daemon): vLLM's config as planned, else built here from the flags."""
+    t0 = time.monotonic()
+    import vllm.engine.arg_utils  # noqa: F401 - timed apart from the config
+
     from ..integrations.vllm import producer
 
+    startup = {"start: imports": time.monotonic() - t0}
     if vllm_config is None:
+        t1 = time.monotonic()
         vllm_config = engine_config(argv)
-    return producer.make_source(placement, vllm_config=vllm_config, **kwargs)
+        startup["start: vLLM config"] = time.monotonic() - t1
+    source = producer.make_source(placement, vllm_config=vllm_config, **kwargs)
+    source.startup_phases.update(startup)
+    log.info("vLLM imported in %.1f s%s", startup["start: imports"], f", its config built in "
+             f"{startup['start: vLLM config']:.1f} s" if "start: vLLM config" in startup else "")
+    return source
 
 
 def vllm_key(source, placement, **kwargs):
     from ..integrations.vllm import producer
 
-    return producer.make_key(source, placement, **kwargs)
+    t0 = time.monotonic()
+    key = producer.make_key(source, placement, **kwargs)
+    source.startup_phases["start: key"] = time.monotonic() - t0
+    return key
 
 
 def engine_config(argv: list[str]):

@@ -220,6 +220,7 @@ class VllmSource(Producer):
         self.master_addr = master_addr
         self.master_port = master_port
         self.timeout_s = timeout_s
+        self.startup_phases: dict[str, float] = {}  # the daemon's start before its load (vllm_frontend fills it)
 
     def _rank_config(self):
         from vllm.config import replace
@@ -246,10 +247,13 @@ class VllmSource(Producer):
         from vllm.distributed import ensure_model_parallel_initialized
 
         p = self.placement
+        daemon.phases.update(self.startup_phases)
         try:
             if p.device.startswith("cuda"):
                 torch.cuda.set_device(p.local_index)
+            t0 = time.monotonic()
             _init_distributed(p, self.master_addr, self.master_port, self.role, self.timeout_s)
+            daemon.phases["start: distributed"] = time.monotonic() - t0
             cfg, model_config, prefix = self._rank_config()
             with set_current_vllm_config(cfg):
                 ensure_model_parallel_initialized(cfg.parallel_config.tensor_parallel_size,
