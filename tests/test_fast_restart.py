@@ -220,3 +220,47 @@ def test_a_flag_vllm_does_not_know_fails_the_preload_in_one_line(ckpt, env, tmp_
     lines = [ln for ln in bad.stderr.splitlines() if "unrecognized arguments: --no-such-vllm-flag 3" in ln]
     assert lines and "exited with code" in lines[-1], bad.stderr[-3000:]
     assert not list((tmp_path / "s2").glob("*.sock"))
+
+
+def test_a_warm_engine_preload_run_again_keeps_its_warm_interpreter(ckpt, env, tmp_path, started):
+    """--warm-engine is remembered: the preload run again reuses the warm interpreter that outlived it (without
+    importing an engine) and retires it at its own orderly stop."""
+    import signal
+
+    from test_supervisor import gone
+    from weightcache.errors import WeightCacheError
+    from weightcache.sockets import warm_socket_path
+    from weightcache.warm import client as warm_client
+
+    sdir, mods = tmp_path / "s", tmp_path / "mods"
+    args = [ckpt, "--device", "cpu", "--weight-cache-socket-dir", sdir, "--warm-engine"]
+    first = Preload(args, env, tmp_path, "p1")
+    started.append(first)
+    first.wait_ready()
+    path = warm_socket_path(sdir)
+    deadline = time.monotonic() + 240  # it imports vLLM, torch and transformers, then listens
+    while True:
+        try:
+            warm_pid = warm_client.query(path).pid
+            break
+        except (WeightCacheError, OSError):
+            assert time.monotonic() < deadline, first.stderr
+            time.sleep(0.2)
+    pids = [first.proc.pid, *(p for p in first.descendants() if p != warm_pid)]
+    for pid in pids:  # the preload dies; its warm interpreter (a session of its own) lives on
+        os.kill(pid, signal.SIGKILL)
+    first.wait()
+    assert gone(pids) == []
+    _held_by_nobody(sdir, 1)
+    for f in mods.glob("*"):
+        f.unlink()
+    again = Preload(args, env, tmp_path, "p2")
+    started.append(again)
+    again.wait_ready()
+    assert "restarting from preload-" in again.stderr and f"pid {warm_pid} at {path} is reused" in again.stderr, \
+        again.stderr
+    for who, names in _imported(mods).items():
+        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.wait(60) == 0
+    assert gone([warm_pid], 30) == [], "the orderly stop retires the warm interpreter"

@@ -122,6 +122,7 @@ def restart(argv: list[str]) -> int | None:
                          **({"hold_after_exit": opts["hold_after_exit"]} if "hold_after_exit" in opts else {}),
                          scrub_interval=opts.get("scrub_interval", 0.0),
                          status_details=opts.get("status_details", False),
+                         warm_engine=opts.get("warm_engine", False), warm_models=opts.get("warm_models", []),
                          remember={"argv": rec.argv, "checkpoints": rec.checkpoints, "stamps": rec.stamps},
                          local_rendezvous=True)
     except StartError as e:

@@ -234,7 +234,8 @@ class Supervisor:
                    "hold_after_exit": self.hold_after_exit,
                    "start_timeout": self.start_timeout, "rendezvous_timeout": self.rendezvous_timeout,
                    "log_level": self.log_level, "keep_on_stop": self.keep_on_stop,
-                   "scrub_interval": self.scrub_interval, "status_details": self.status_details}
+                   "scrub_interval": self.scrub_interval, "status_details": self.status_details,
+                   "warm_engine": self.warm_engine, "warm_models": self.warm_models}
         record.write_for(self.remember, self.groups, self.children, socket_dir=self.socket_dir, options=options)
 
     def hold(self) -> int:
