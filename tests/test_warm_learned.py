@@ -192,3 +192,18 @@ def test_engines_of_a_warm_interpreter_told_not_to_learn_record_nothing(tmp_path
     finally:
         warm.terminate()
         warm.wait(T)
+
+
+def test_a_warm_interpreter_whose_kept_modules_make_a_cuda_context_refuses_to_start_and_forgets_them(tmp_path, site):
+    (site / "wccuda.py").write_text("import torch\ntorch.cuda._initialized = True\n")
+    sockdir = tmp_path / "s"
+    (sockdir / learned.DIR_NAME).mkdir(parents=True, mode=0o700)
+    sockdir.chmod(0o700)
+    (sockdir / learned.DIR_NAME / learned.KEPT).write_text("wccuda\n")
+    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir), "--import", "wclearn"]
+    cp = subprocess.run(argv, env=_env(site), capture_output=True, text=True, timeout=T)
+    assert cp.returncode == 1 and "made a CUDA context or started a thread" in cp.stderr, cp.stderr
+    assert list((sockdir / learned.DIR_NAME).iterdir()) == []
+    warm = _start(sockdir, _env(site))  # the next start begins without them
+    warm.terminate()
+    assert warm.wait(T) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -128,6 +129,9 @@ class Learner:
             self.forget()
             return False
         self.done(ok, bad)
+        if ok:
+            gc.collect()
+            gc.freeze()  # as after the warm imports: engines' GC passes leave these pages shared
         return True
 
     def _records(self) -> list[Path]:

@@ -144,8 +144,9 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
     if not args.no_learn:
         learner = Learner(learned_directory(path.parent), first, cuda_initialized=cuda_initialized)
         if not learner.learn():
-            print("weightcache warm-engine: error: a module that engines imported before created a CUDA context "
-                  "here; it is forgotten: start the warm interpreter again", file=sys.stderr)
+            print("weightcache warm-engine: error: a module that engines imported before made a CUDA context or "
+                  "started a thread here; what engines imported is forgotten: start the warm interpreter again",
+                  file=sys.stderr)
             return None, 1
     identity = Identity(env_at_start, first, set(args.ignore_env))
     for name, seconds in done:
