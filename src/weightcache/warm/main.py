@@ -151,8 +151,11 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
     identity = Identity(env_at_start, first, set(args.ignore_env))
     for name, seconds in done:
         identity.add_module(name, seconds)
+    mods = ", ".join(f"{m.stamp.distribution or m.stamp.name} {m.stamp.version}".strip() for m in identity.modules
+                     if "." not in m.stamp.name)
     if learner is not None:
         learner.identity = identity
+        learner.stamp_packages()
         identity.import_seconds += learner.seconds
     _prepare_title()
     gc.collect()
@@ -166,8 +169,6 @@ def prepare(path: Path, args) -> tuple[WarmServer | None, int]:
     except (OSError, WeightCacheError) as e:
         print(f"weightcache warm-engine: error: {e}", file=sys.stderr)
         return None, 1
-    mods = ", ".join(f"{m.stamp.distribution or m.stamp.name} {m.stamp.version}".strip() for m in identity.modules
-                     if "." not in m.stamp.name)
     if learner is not None and learner.learned:
         mods += f" and {len(learner.learned)} module(s) engines imported before"
     print(f"weightcache warm-engine READY pid {os.getpid()}: {mods or 'nothing'} imported in "
