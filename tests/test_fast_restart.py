@@ -68,6 +68,22 @@ def _imported(mods: Path) -> dict[str, set[str]]:
     return {f.stem: set(f.read_text().split()) for f in mods.glob("*.modules")}
 
 
+def _no_engine_imported(mods: Path) -> None:
+    for who, names in _imported(mods).items():
+        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+
+
+def _run_again(args, env, tmp_path: Path, started: list, ranks: int = 1) -> Preload:
+    """The same preload again, once the one before is dead and the custodian holds its caches for nobody."""
+    _held_by_nobody(tmp_path / "s", ranks)
+    for f in (tmp_path / "mods").glob("*"):
+        f.unlink()
+    again = Preload(args, env, tmp_path, "p2")
+    started.append(again)
+    again.wait_ready()
+    return again
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, started, device):
     if device == "cuda" and not torch.cuda.is_available():
@@ -94,10 +110,8 @@ def test_a_preload_run_again_comes_back_without_the_engine(ckpt, env, tmp_path, 
     again.wait_ready()
     took = time.monotonic() - t0
     assert "restarting from preload-" in again.stderr, again.stderr
-    imported = _imported(mods)
-    assert set(imported) == {"supervisor", *(f"main-r{r}" for r in range(n))}
-    for who, names in imported.items():
-        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    assert set(_imported(mods)) == {"supervisor", *(f"main-r{r}" for r in range(n))}
+    _no_engine_imported(mods)
     assert {s: block_digests(s) for s in socks} == served
     print(f"READY {took:.2f} s after the restart began ({device}, {n} rank(s))")
     sigkill_all(again)
@@ -195,15 +209,9 @@ def test_a_vllm_preload_starts_without_vllm_and_run_again_comes_back_without_it(
     socks = sorted(str(p) for p in sdir.glob("*.sock"))
     served = {s: block_digests(s) for s in socks}
     sigkill_all(first)
-    _held_by_nobody(sdir, 1)
-    for f in mods.glob("*"):
-        f.unlink()
-    again = Preload(args, env, tmp_path, "p2")
-    started.append(again)
-    again.wait_ready()
+    again = _run_again(args, env, tmp_path, started)
     assert "restarting from preload-" in again.stderr and "starting again in full" not in again.stderr, again.stderr
-    for who, names in _imported(mods).items():
-        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    _no_engine_imported(mods)
     assert sorted(str(p) for p in sdir.glob("*.sock")) == socks
     assert {s: block_digests(s) for s in socks} == served
     sigkill_all(again)
@@ -251,16 +259,10 @@ def test_a_warm_engine_preload_run_again_keeps_its_warm_interpreter(ckpt, env, t
         os.kill(pid, signal.SIGKILL)
     first.wait()
     assert gone(pids) == []
-    _held_by_nobody(sdir, 1)
-    for f in mods.glob("*"):
-        f.unlink()
-    again = Preload(args, env, tmp_path, "p2")
-    started.append(again)
-    again.wait_ready()
+    again = _run_again(args, env, tmp_path, started)
     assert "restarting from preload-" in again.stderr and f"pid {warm_pid} at {path} is reused" in again.stderr, \
         again.stderr
-    for who, names in _imported(mods).items():
-        assert not set(ENGINES) & names, f"{who} imported {set(ENGINES) & names}"
+    _no_engine_imported(mods)
     again.proc.send_signal(signal.SIGTERM)
     assert again.wait(60) == 0
     assert gone([warm_pid], 30) == [], "the orderly stop retires the warm interpreter"

@@ -117,11 +117,14 @@ def _env(site: Path, **extra) -> dict[str, str]:
     return env
 
 
-def _start(sockdir: Path, env: dict) -> subprocess.Popen:
-    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir), "--kill-grace", "1",
-            "--import", "wclearn"]
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd="/")
+def _warm_argv(sockdir: Path, *extra: str) -> list[str]:
+    return [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir), "--kill-grace", "1",
+            "--import", "wclearn", *extra]
+
+
+def _start(sockdir: Path, env: dict, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen(_warm_argv(sockdir, *extra), env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd="/")
     line = ""
     for line in proc.stderr:
         if "READY" in line:
@@ -136,6 +139,15 @@ def _run(sockdir: Path, env: dict, script: Path, mode: str) -> tuple[dict, str]:
     return json.loads(cp.stdout.strip().splitlines()[-1]), cp.stderr
 
 
+def _engine_in(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """A private socket directory and an engine script."""
+    sockdir = tmp_path / "s"
+    sockdir.mkdir(mode=0o700)
+    script = tmp_path / "engine.py"
+    script.write_text(text)
+    return sockdir, script
+
+
 def _wait_for(cond, what: str):
     end = time.monotonic() + T
     while not cond():
@@ -145,10 +157,7 @@ def _wait_for(cond, what: str):
 
 
 def test_the_next_engine_finds_what_the_last_one_imported(tmp_path, site):
-    sockdir = tmp_path / "s"
-    sockdir.mkdir(mode=0o700)
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
+    sockdir, script = _engine_in(tmp_path, ENGINE)
     env = _env(site, WCLEARN_TWO="a")
     warm = _start(sockdir, env)
     kept = sockdir / learned.DIR_NAME / learned.KEPT
@@ -173,19 +182,10 @@ def test_the_next_engine_finds_what_the_last_one_imported(tmp_path, site):
 
 
 def test_engines_of_a_warm_interpreter_told_not_to_learn_record_nothing(tmp_path, site):
-    sockdir = tmp_path / "s"
-    sockdir.mkdir(mode=0o700)
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
+    sockdir, script = _engine_in(tmp_path, ENGINE)
     env = _env(site, WCLEARN_TWO="a")
-    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir), "--import", "wclearn",
-            "--no-learn"]
-    warm = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd="/")
+    warm = _start(sockdir, env, "--no-learn")
     try:
-        for line in warm.stderr:
-            if "READY" in line:
-                break
         assert _run(sockdir, env, script, "import")[0] == {"had": False, "two": "a"}
         assert _run(sockdir, env, script, "check")[0]["had"] is False
         assert not (sockdir / learned.DIR_NAME).exists()
@@ -200,8 +200,7 @@ def test_a_warm_interpreter_whose_kept_modules_make_a_cuda_context_refuses_to_st
     (sockdir / learned.DIR_NAME).mkdir(parents=True, mode=0o700)
     sockdir.chmod(0o700)
     (sockdir / learned.DIR_NAME / learned.KEPT).write_text("wccuda\n")
-    argv = [PY, "-m", "weightcache.cli", "warm-engine", "--socket-dir", str(sockdir), "--import", "wclearn"]
-    cp = subprocess.run(argv, env=_env(site), capture_output=True, text=True, timeout=T)
+    cp = subprocess.run(_warm_argv(sockdir), env=_env(site), capture_output=True, text=True, timeout=T)
     assert cp.returncode == 1 and "made a CUDA context or started a thread" in cp.stderr, cp.stderr
     assert list((sockdir / learned.DIR_NAME).iterdir()) == []
     warm = _start(sockdir, _env(site))  # the next start begins without them (READY)
@@ -221,10 +220,7 @@ def test_a_package_it_learned_from_that_changes_on_disk_refuses_engines(tmp_path
     (site / "wcextra").mkdir()
     init = site / "wcextra" / "__init__.py"
     init.write_text("VALUE = 1\n")
-    sockdir = tmp_path / "s"
-    sockdir.mkdir(mode=0o700)
-    script = tmp_path / "engine.py"
-    script.write_text(EXTRA_ENGINE)
+    sockdir, script = _engine_in(tmp_path, EXTRA_ENGINE)
     env = _env(site)
     warm = _start(sockdir, env)
     kept = sockdir / learned.DIR_NAME / learned.KEPT

@@ -39,8 +39,12 @@ def _roots() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) + os.sep for p in sys.path[1:] if p and os.path.isdir(p))
 
 
+def _importable_name(name: str) -> bool:
+    return not name.startswith(SKIP_PREFIXES) and all(part.isidentifier() for part in name.split("."))
+
+
 def _recordable(name: str, module, roots: tuple[str, ...]) -> bool:
-    if name.startswith(SKIP_PREFIXES) or not all(part.isidentifier() for part in name.split(".")):
+    if not _importable_name(name):
         return False
     origin = getattr(getattr(module, "__spec__", None), "origin", None)
     if origin in ("built-in", "frozen"):
@@ -102,7 +106,6 @@ class Learner:
         self.learned: set[str] = set(_read(self.dir / KEPT))
         self.seconds = 0.0
         self._seen: tuple = ()
-        self._imported: list[str] = []
 
     def learn(self) -> bool:
         """Import what is pending; False (and everything learned forgotten) if that made a CUDA context or
@@ -115,10 +118,9 @@ class Learner:
         threads = set(threading.enumerate())
         t0 = time.perf_counter()
         import_modules(names, self.first, lambda name, _s, error: (bad if error else ok).append(name))
-        self._imported = ok
         if self.identity is not None:
             self.identity.update_env(self.first)
-            self.stamp_packages()
+            self.stamp_packages(ok)
         self.seconds += time.perf_counter() - t0
         if names:
             log.info("imported %d module(s) that engines imported after the warm ones in %.2f s (%d failed)",
@@ -137,11 +139,11 @@ class Learner:
             gc.freeze()  # as after the warm imports: engines' GC passes leave these pages shared
         return True
 
-    def stamp_packages(self) -> None:
-        """Tell `identity` the packages what it learned came from: one reinstalled since refuses engines, as
-        for the warm interpreter's own imports."""
+    def stamp_packages(self, imported=()) -> None:
+        """Tell `identity` the packages what it learned (and `imported` now) came from: one reinstalled since
+        refuses engines, as for the warm interpreter's own imports."""
         have = {m.stamp.name for m in self.identity.modules}
-        for top in sorted({n.split(".")[0] for n in self.learned | set(self._imported)} - have):
+        for top in sorted({n.split(".")[0] for n in self.learned.union(imported)} - have):
             if top in sys.modules:
                 self.identity.add_module(top, 0.0)
 
@@ -151,25 +153,22 @@ class Learner:
         except OSError:
             return []
 
-    def changed(self) -> bool:
-        """Whether an engine wrote a record since the last `pending()`."""
+    def _stamp(self) -> tuple:
         stamp = []
         for p in self._records():
             with contextlib.suppress(OSError):
                 stamp.append((p.name, p.stat().st_mtime_ns))
-        return tuple(stamp) != self._seen
+        return tuple(stamp)
+
+    def changed(self) -> bool:
+        """Whether an engine wrote a record since the last `pending()`."""
+        return self._stamp() != self._seen
 
     def pending(self) -> list[str]:
         """Recorded (or kept) names not imported here yet; consumes the engines' records."""
-        names = set(self.learned)
-        stamp = []
-        for p in self._records():
-            with contextlib.suppress(OSError):
-                stamp.append((p.name, p.stat().st_mtime_ns))
-            names.update(_read(p))
-        self._seen = tuple(stamp)
-        return sorted(n for n in names if n not in sys.modules and n not in self.failed
-                      and not n.startswith(SKIP_PREFIXES) and all(part.isidentifier() for part in n.split(".")))
+        self._seen = self._stamp()
+        names = set(self.learned).union(*(_read(self.dir / name) for name, _ in self._seen))
+        return sorted(n for n in names if n not in sys.modules and n not in self.failed and _importable_name(n))
 
     def done(self, imported: list[str], failed: list[str]) -> None:
         """Keep what imported for the next warm interpreter; drop the records it came from."""

@@ -28,8 +28,10 @@ def model_modules(model_dir: str | Path) -> list[str]:
             if name:
                 names.append(name)
     if "transformers" in sys.modules:
+        from ..integrations.transformers.config import modeling_module
+
         for c in configs:
-            kind = str(c.get("model_type") or "").replace("-", "_")
-            if kind.isidentifier():
-                names.append(f"transformers.models.{kind}.modeling_{kind}")
+            name = modeling_module(str(c.get("model_type") or "").replace("-", "_"))
+            if name:
+                names.append(name)
     return list(dict.fromkeys(names))

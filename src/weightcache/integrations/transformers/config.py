@@ -64,6 +64,13 @@ def resolve_dtype_name(model_dir: str | Path, dtype: str | None = None, *, confi
     return checkpoint_float_dtype_name(model_dir) or "float32"
 
 
+def modeling_module(model_type) -> str | None:
+    """The module of transformers' model classes for a config's ``model_type`` (None for no such name)."""
+    if isinstance(model_type, str) and model_type.isidentifier():
+        return f"transformers.models.{model_type}.modeling_{model_type}"
+    return None
+
+
 def model_modules(path: str | Path) -> tuple[str, ...]:
     """What transformers' from_pretrained imports to build this model (its model class's module included)."""
     mods = ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]
@@ -71,6 +78,5 @@ def model_modules(path: str | Path) -> tuple[str, ...]:
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         model_type = None
-    if isinstance(model_type, str) and model_type.isidentifier():
-        mods.append(f"transformers.models.{model_type}.modeling_{model_type}")
-    return tuple(mods)
+    own = modeling_module(model_type)
+    return tuple(mods + [own] if own else mods)
