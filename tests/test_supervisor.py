@@ -388,6 +388,22 @@ def test_out_of_memory_on_one_rank_stops_all(ckpts, tmp_path, monkeypatch, caplo
     assert time.monotonic() - t0 < 120
 
 
+def test_a_daemons_source_is_built_only_after_its_engine_pre_import_is_done():
+    """A pre-import on one thread and the load's imports on another can see a module of one package half made
+    (transformers: `cannot import name 'DistributedConfig'`): the source waits for the pre-import."""
+    from weightcache.preload.child import LazySource
+
+    done = threading.Event()
+    pre = threading.Thread(target=lambda: (time.sleep(0.3), done.set()))
+    pre.start()
+    seen = []
+    source = LazySource(lambda placement, **kw: seen.append(done.is_set()) or kw, None, {"path": "x"}, after=pre)
+    assert source.get() == {"path": "x"} and seen == [True]
+    assert source.get() == {"path": "x"} and seen == [True]  # built once
+    unstarted = LazySource(lambda placement, **kw: kw, None, {}, after=threading.Thread())
+    assert unstarted.get() == {}
+
+
 # --- two nodes on one host, over loopback ---
 
 def _node(ckpt, rank, port, sdir, env, tmp_path, dp=False):

@@ -81,8 +81,9 @@ class NotHeld(WeightCacheError):
 
 
 def _preimport(modules: tuple) -> None:
-    """Import what a load will need while the supervisor still hashes and the nodes agree (a load that comes
-    meanwhile waits on Python's import lock; a daemon that adopts its cache simply never uses them)."""
+    """Import what a load will need while the supervisor still hashes and the nodes agree (the load waits for
+    it: two threads importing one package with circular imports, as transformers has, can see a module half
+    made; a daemon that adopts its cache simply never uses them)."""
     import importlib
 
     for m in modules:
@@ -142,14 +143,17 @@ class LazySource:
     """The group's source, built on first use: a daemon that takes its cache from the custodian never builds
     it (building one may read the checkpoint's headers)."""
 
-    def __init__(self, make: Callable, placement: Placement, args: dict):
+    def __init__(self, make: Callable, placement: Placement, args: dict, after: threading.Thread | None = None):
         self._make, self._placement, self._args = make, placement, args
+        self._after = after  # the engine's pre-import: never two threads importing one package at once
         self._source = None
         self._lock = threading.Lock()  # the key's thread and the load may both ask for it first
 
     def get(self):
         with self._lock:
             if self._source is None:
+                if self._after is not None and self._after.ident is not None:
+                    self._after.join()
                 self._source = self._make(self._placement, **self._args)
             return self._source
 
@@ -230,8 +234,6 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     if spec.placement.device.startswith("cuda"):
         threading.Thread(target=_open_the_gpu, args=(spec.placement.local_index,), name="wc-open-gpu",
                          daemon=True).start()
-    if spec.preimport:  # the engine's modules, imported while the key waits for the checkpoint's digest
-        threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport", daemon=True).start()
     go, mode = threading.Event(), [GO]
     _die_with_parent(spec.supervisor_pid, lifeline, go, mode)
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -245,13 +247,18 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
     try:
         from ..daemon import Daemon
 
+        preimport = None
+        if spec.preimport:  # the engine's modules, imported while the key waits for the checkpoint's digest
+            preimport = threading.Thread(target=_preimport, args=(spec.preimport,), name="wc-preimport",
+                                         daemon=True)
+            preimport.start()
         if p.device.startswith("cuda") and spec.gpu_uuid:
             _check_gpu(p.local_index, spec.gpu_uuid)
         elif p.device.startswith("cuda"):
             import torch
 
             torch.cuda.set_device(p.local_index)  # local index == device index
-        source = LazySource(spec.make_source, p, spec.source_args)
+        source = LazySource(spec.make_source, p, spec.source_args, after=preimport)
         info = {"placement": p.name(), "local_index": str(p.local_index), "node_rank": str(p.node_rank),
                 **{k: str(v) for k, v in spec.info.items()}}
         if spec.custodian:
@@ -287,7 +294,7 @@ def child_main(spec: ChildSpec, conn, lifeline) -> None:
         elif how == ADOPT:
             raise RuntimeError("the custodian holds no cache for this rank, and its source loads only together "
                                "with every rank of its group: restart preload")
-        elif isinstance(source.get(), Producer):  # an engine's own loader builds the tensors; packed, sharing kept
+        elif isinstance(source.get(), Producer):  # an engine's own loader builds the tensors; sharing kept
             source.get().produce(daemon)
         else:
             daemon.load(source.get())
