@@ -221,7 +221,7 @@ def run_engine(engine: str, model: Path, a, work: Path, gpu: Gpu) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     port = free_port()
     if engine == "vllm":
-        cmd = [str(model), "--engine", "vllm", "--dtype", "bfloat16", "--max-model-len", "1024",
+        cmd = [str(model), "--engine", "vllm", "--dtype", "float16" if a.quant else "bfloat16", "--max-model-len", "1024",
                "--weight-cache-socket-dir", sdir, "--weight-cache-health-port", str(port)]
         if a.device == "cpu":
             cmd += ["--enforce-eager"]
@@ -281,7 +281,7 @@ def run_instanttensor(model: Path, env: dict) -> dict:
             "daemon_peak_x": round(got["peak_bytes"] / got["bytes"], 3)}
 
 
-def make_checkpoint(root: Path, size_gb: float, sparse: bool = False) -> Path:
+def make_checkpoint(root: Path, size_gb: float, sparse: bool = False, quant: str = "") -> Path:
     import torch
 
     from weightcache.testing.checkpoints import (
@@ -289,16 +289,47 @@ def make_checkpoint(root: Path, size_gb: float, sparse: bool = False) -> Path:
         llama_config_for_bytes,
         make_llama_checkpoint,
     )
+    from weightcache.testing.quantized import (
+        gptq_llama_bytes,
+        gptq_llama_shape_for_bytes,
+        make_large_gptq_checkpoint,
+    )
 
-    path = root / f"llama-{size_gb:g}gb-{'sparse' if sparse else 'bf16'}"
+    path = root / f"llama-{size_gb:g}gb-{quant or ('sparse' if sparse else 'bf16')}"
     if (path / ".complete").exists():
         return path
     shutil.rmtree(path, ignore_errors=True)
-    kw = llama_config_for_bytes(int(size_gb * 1e9), torch.bfloat16)
-    print(f"writing a {estimate_llama_bytes(dtype=torch.bfloat16, **kw) / 1e9:.2f} GB checkpoint to {path}", flush=True)
-    make_llama_checkpoint(path, dtype=torch.bfloat16, max_shard_bytes=4 << 30, seed=0, sparse=sparse, **kw)
+    if quant:
+        bits = int(quant.removeprefix("gptq"))
+        kw = gptq_llama_shape_for_bytes(int(size_gb * 1e9), bits=bits)
+        print(f"writing a {gptq_llama_bytes(bits=bits, **kw) / 1e9:.2f} GB GPTQ {bits}-bit checkpoint to {path}",
+              flush=True)
+        make_large_gptq_checkpoint(path, bits=bits, **kw)
+    else:
+        kw = llama_config_for_bytes(int(size_gb * 1e9), torch.bfloat16)
+        print(f"writing a {estimate_llama_bytes(dtype=torch.bfloat16, **kw) / 1e9:.2f} GB checkpoint to {path}",
+              flush=True)
+        make_llama_checkpoint(path, dtype=torch.bfloat16, max_shard_bytes=4 << 30, seed=0, sparse=sparse, **kw)
     (path / ".complete").touch()
     return path
+
+
+def fault_in(model: Path) -> None:
+    """Read a sparse checkpoint through once, untimed: the first read of a tmpfs hole through a mapping allocates
+    and zeroes its page, which would otherwise fall on whichever engine runs first."""
+    import mmap
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    total = 0
+    for f in sorted(model.glob("*.safetensors")):
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
+            view = np.frombuffer(m, dtype=np.uint8)
+            view[::mmap.PAGESIZE].sum()  # one byte of every page
+            del view  # the mapping closes only once nothing exports it
+            total += len(m)
+    print(f"faulted in {total / 1e9:.1f} GB of the sparse checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def fmt(v, unit="") -> str:
@@ -336,11 +367,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cleanup", action="store_true", help="remove the checkpoint afterwards")
     ap.add_argument("--sparse", action="store_true",
                     help="every weight zero, the files holes (memory at scale in no time; not for token checks)")
+    ap.add_argument("--quant", default="", choices=("", "gptq4", "gptq8"),
+                    help="a GPTQ checkpoint of that size instead (random packed weights; vLLM repacks it for Marlin)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.quant and a.sparse:
+        ap.error("--quant writes real values: leave out --sparse")
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
-    model = make_checkpoint(root, a.size_gb, a.sparse)
+    model = make_checkpoint(root, a.size_gb, a.sparse, a.quant)
+    if a.sparse:
+        fault_in(model)
     work = Path(tempfile.mkdtemp(prefix="first-load-"))
     gpu = Gpu() if a.device == "cuda" else Gpu.__new__(Gpu)
     if a.device != "cuda":
@@ -357,10 +394,10 @@ def main(argv=None) -> int:
         rows.append(run_instanttensor(model, env_with()))
         print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
-    out = Path(a.out or ROOT / "bench" / "results" / f"first-load-{a.device}-{a.size_gb:g}gb{'-sparse' * a.sparse}.json")
+    out = Path(a.out or ROOT / "bench" / "results" / f"first-load-{a.device}-{a.size_gb:g}gb{'-sparse' * a.sparse}{'-' * bool(a.quant)}{a.quant}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M"), "size_gb": a.size_gb,
-            "sparse": a.sparse, "logs": str(work)}
+            "sparse": a.sparse, "quant": a.quant or None, "logs": str(work)}
     try:
         import torch
 

@@ -284,6 +284,69 @@ def test_vllm_builds_the_routers_of_a_block_fp8_moe_checkpoint_unquantized(tmp_p
     assert not is_layer_skipped("model.layers.1.self_attn.q_proj", qc.ignored_layers, {})
 
 
+LLAMA = dict(hidden_size=256, num_layers=2, intermediate_size=512, num_heads=4, num_kv_heads=2, vocab_size=1024)
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as opened:
+            out.update({k: opened.get_tensor(k) for k in opened.keys()})  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_large_gptq_checkpoint_is_written_in_gptqs_layout_shard_by_shard(tmp_path, bits):
+    """The at-scale GPTQ maker (for memory runs) writes what the quantizing maker writes: the same names, dtypes,
+    shapes and config, the symmetric zero point, each channel's group, positive scales; in several shards."""
+    from weightcache.testing.checkpoints import llama_param_shapes
+
+    path = q.make_large_gptq_checkpoint(tmp_path / "big", bits=bits, max_shard_bytes=200_000, **LLAMA)
+    tensors = _read_all(path)
+    assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").exists()
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == q.gptq_llama_bytes(bits=bits, **LLAMA)
+    expected, modules = {}, []
+    for name, dims in llama_param_shapes(**LLAMA).items():
+        if q._is_quant_target(name, dims):
+            module, (out, inp) = name[: -len(".weight")], dims
+            modules.append(module)
+            expected.update({f"{module}.{k}": v for k, v in expected_layout("gptq", out, inp, {"bits": bits}).items()})
+        else:
+            expected[name] = (F16, dims)
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()} == expected
+    per_word = 32 // bits
+    for module in modules:
+        zeros = tensors[f"{module}.qzeros"]
+        shifts = torch.arange(per_word) * bits
+        values = (zeros.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        assert bool((values == (1 << (bits - 1)) - 1).all()), module  # GPTQ stores zero - 1
+        inp = tensors[f"{module}.g_idx"].numel()
+        assert torch.equal(tensors[f"{module}.g_idx"], (torch.arange(inp) // 128).to(torch.int32))
+        scales = tensors[f"{module}.scales"].float()
+        assert bool((scales > 0).all() and scales.isfinite().all())
+    assert tensors[f"{modules[0]}.qweight"].unique().numel() > 100  # random words, not a constant
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg == q._gptq_config(bits, 128, False, modules)
+    assert cfg["modules_in_block_to_quantize"] == [sorted({m.split(".", 3)[3] for m in modules})]
+    assert (path / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("target", [50e6, 16e9, 52e9])
+def test_a_gptq_llama_is_fitted_to_the_size_asked_for(target):
+    shape = q.gptq_llama_shape_for_bytes(int(target))
+    assert abs(q.gptq_llama_bytes(**shape) / target - 1) < 0.05
+    assert shape["intermediate_size"] % 128 == 0 and shape["hidden_size"] % 128 == 0
+
+
+def test_a_large_gptq_checkpoint_refuses_a_shape_gptq_cannot_pack(tmp_path):
+    with pytest.raises(ValueError, match="GPTQ needs in % 128"):
+        q.make_large_gptq_checkpoint(tmp_path / "bad", **{**LLAMA, "intermediate_size": 200})
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        q.make_large_gptq_checkpoint(tmp_path / "bad", bits=3, **LLAMA)
+
+
 # ---- vLLM's CPU build loads them -------------------------------------------------------------------------------
 
 
@@ -305,6 +368,16 @@ def test_vllm_cpu_decodes_two_formats_to_the_same_model(cpu_work, tmp_path, pair
 
     a, b = (ok(run_engine(cpu_work, {"model": str(_make(tmp_path, c, "qwen3"))})) for c in pair)
     assert a["tokens"] == b["tokens"] and len(a["tokens"][0]) == 8
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_runs_the_large_gptq_layout(cpu_work, tmp_path):
+    """vLLM reads the at-scale GPTQ maker's shards as a GPTQ model and generates (its memory runs are real loads)."""
+    from vllm_harness import ok, run_engine
+
+    path = q.make_large_gptq_checkpoint(tmp_path / "big", max_shard_bytes=400_000, **LLAMA)
+    assert len(ok(run_engine(cpu_work, {"model": str(path)}))["tokens"][0]) == 8
 
 
 @pytest.mark.vllm

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -425,11 +425,10 @@ def _save_with_transformers(path: Path, config, dtype: torch.dtype, seed: int, m
 _DIRECT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _plan_shards(shapes: dict[str, tuple[int, ...]], esz: int, max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        n = math.prod(shape) * esz
+    for name, n in sizes.items():
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -450,18 +449,34 @@ def _random_chunks(pool: torch.Tensor, nbytes: int, gen: torch.Generator) -> Ite
         left -= n
 
 
+# A tensor written by a caller's own bytes: (dtype, shape, fill(nbytes, generator) -> chunks)
+Special = tuple[torch.dtype, tuple[int, ...], Callable[[int, torch.Generator], Iterable[memoryview]]]
+
+
 def _write_random_shards(
     path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int, max_shard_bytes: int,
-    sparse: bool = False,
+    sparse: bool = False, specials: dict[str, Special] | None = None,
 ) -> None:
+    """Random ``dtype`` tensors of ``shapes`` (norms near 1), shard by shard; ``specials`` replace or add tensors
+    of their own dtype and bytes (packed integers, scales)."""
     if dtype not in _DIRECT_DTYPES:
         raise ValueError(f"direct writing supports {sorted(str(d) for d in _DIRECT_DTYPES)}, got {dtype}")
-    esz = _dtype_size(dtype)
     gen = torch.Generator().manual_seed(seed)
     pool_elems = 16 << 20
     pool = (torch.randn(pool_elems, generator=gen) * 0.02).to(dtype)
     norms = {n for n in shapes if n.endswith("norm.weight")}
-    shards = _plan_shards(shapes, esz, max_shard_bytes)
+
+    def plain_fill(name: str) -> Callable[[int, torch.Generator], Iterable[memoryview]]:
+        if name in norms:
+            return lambda _n, g: [memoryview((1.0 + 0.02 * torch.randn(shapes[name], generator=g)).to(
+                dtype).view(torch.uint8).numpy())]
+        return lambda n, g: _random_chunks(pool, n, g)
+
+    specials = specials or {}
+    tensors = {name: specials.get(name) or (dtype, shape, plain_fill(name)) for name, shape in
+               {**shapes, **{n: spec[1] for n, spec in specials.items()}}.items()}
+    sizes = {name: math.prod(shape) * _dtype_size(dt) for name, (dt, shape, _) in tensors.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     for idx, names in enumerate(shards):
@@ -473,9 +488,9 @@ def _write_random_shards(
         header: dict = {"__metadata__": {"format": "pt"}}
         off = 0
         for name in names:
-            n = math.prod(shapes[name]) * esz
-            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shapes[name]), "data_offsets": [off, off + n]}
-            off += n
+            dt, shape, _ = tensors[name]
+            header[name] = {"dtype": safetensors_code(dt), "shape": list(shape), "data_offsets": [off, off + sizes[name]]}
+            off += sizes[name]
             weight_map[name] = fname
         hbytes = json.dumps(header, separators=(",", ":")).encode()
         hbytes += b" " * (-len(hbytes) % 8)  # data starts 8-byte aligned
@@ -487,13 +502,8 @@ def _write_random_shards(
                 f.truncate(8 + len(hbytes) + off)
                 names = []
             for name in names:
-                n = math.prod(shapes[name]) * esz
-                if name in norms:
-                    t = (1.0 + 0.02 * torch.randn(shapes[name], generator=gen)).to(dtype)
-                    f.write(memoryview(t.view(torch.uint8).numpy()))
-                else:
-                    for chunk in _random_chunks(pool, n, gen):
-                        f.write(chunk)
+                for chunk in tensors[name][2](sizes[name], gen):
+                    f.write(chunk)
         os.replace(tmp, path / fname)
         total += off
     if len(shards) > 1:

@@ -10,12 +10,21 @@ head stay bf16) with the quantized tensors under the names and shapes the tool w
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
 
-from .checkpoints import make_checkpoint
+from .checkpoints import (
+    _random_chunks,
+    _write_random_shards,
+    llama_config,
+    llama_config_for_bytes,
+    llama_param_shapes,
+    make_checkpoint,
+    make_tokenizer,
+)
 from .int_packing import awq_pack, pack_int32, quantize_groups
 
 FP8_BLOCK = 128
@@ -288,15 +297,89 @@ def make_gptq_checkpoint(path: str | Path, family: str = "qwen3", *, seed: int =
                 "scales": scale.t().to(torch.float16), "g_idx": g_idx}
 
     cfg, quantized, _ = _rewrite(path, family, seed, shape, convert)
-    in_block = sorted({m.split(".", 3)[3] for m in quantized if m.startswith("model.layers.")})
-    cfg["quantization_config"] = {
+    cfg["quantization_config"] = _gptq_config(bits, group_size, desc_act, quantized if describe_modules else None)
+    _write_config(path, cfg)
+    return path
+
+
+def _gptq_config(bits: int, group_size: int, desc_act: bool, quantized: list[str] | None) -> dict:
+    """The ``quantization_config`` AutoGPTQ / optimum write (``quantized``: the modules, listed as optimum's
+    ``modules_in_block_to_quantize``)."""
+    in_block = sorted({m.split(".", 3)[3] for m in quantized or () if m.startswith("model.layers.")})
+    return {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": True,
         "damp_percent": 0.1, "true_sequential": True, "static_groups": False, "checkpoint_format": "gptq",
         "use_exllama": True, "exllama_config": {"version": 1}, "use_cuda_fp16": False, "cache_block_outputs": True,
         "dataset": None, "tokenizer": None, "model_seqlen": None, "block_name_to_quantize": None,
         "module_name_preceding_first_block": None, "batch_size": 1, "pad_token_id": None,
-        "max_input_length": None, "modules_in_block_to_quantize": [in_block] if describe_modules else None}
+        "max_input_length": None, "modules_in_block_to_quantize": [in_block] if quantized is not None else None}
+
+
+def gptq_llama_bytes(*, bits: int = 4, group_size: int = 128, **shape) -> int:
+    """Bytes of :func:`make_large_gptq_checkpoint`'s tensors for a Llama shape."""
+    total = 0
+    for name, dims in llama_param_shapes(**shape).items():
+        if _is_quant_target(name, dims):
+            out_f, in_f = dims
+            groups = in_f // group_size
+            total += in_f * out_f * bits // 8 + groups * out_f * bits // 8 + groups * out_f * 2 + in_f * 4
+        else:
+            total += math.prod(dims) * 2
+    return total
+
+
+def gptq_llama_shape_for_bytes(target_bytes: int, *, bits: int = 4, group_size: int = 128) -> dict:
+    """Llama shape kwargs whose :func:`make_large_gptq_checkpoint` totals about ``target_bytes``."""
+    kw = llama_config_for_bytes(target_bytes * 16 // bits)  # bf16 of that many parameters
+    kw.pop("num_layers")
+    one = gptq_llama_bytes(bits=bits, group_size=group_size, num_layers=1, **kw)
+    per_layer = gptq_llama_bytes(bits=bits, group_size=group_size, num_layers=2, **kw) - one
+    return dict(kw, num_layers=max(1, round((target_bytes - (one - per_layer)) / per_layer)))
+
+
+def make_large_gptq_checkpoint(path: str | Path, *, bits: int = 4, group_size: int = 128, seed: int = 0,
+                               max_shard_bytes: int = 4 << 30, **shape) -> Path:
+    """A GPTQ Llama of any size, written shard by shard as :func:`make_gptq_checkpoint` lays it out (no
+    act-order) but without quantizing: random packed values, the symmetric zero point, small random fp16 scales.
+    For memory and rates at scale (vLLM repacks it for Marlin), not for tokens."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = llama_param_shapes(**shape)
+    bits_pool = torch.randint(-(1 << 31), (1 << 31) - 1, (8 << 20,), dtype=torch.int32,
+                              generator=torch.Generator().manual_seed(seed + 3))
+    scale_pool = (0.001 + 0.002 * torch.rand(1 << 20, generator=torch.Generator().manual_seed(seed + 4))).half()
+    zero_word = pack_int32(torch.full((1, 32 // bits), (1 << (bits - 1)) - 1), bits, dim=1)
+    zero_bytes = zero_word.view(torch.uint8).flatten().repeat(1 << 18)
+
+    def repeat(raw: torch.Tensor):
+        return lambda n, _g: [memoryview(raw[i: i + min(raw.numel(), n - i)].numpy())
+                              for i in range(0, n, raw.numel())]
+
+    specials, plain, quantized = {}, {}, []
+    for name, dims in shapes.items():
+        if not _is_quant_target(name, dims):
+            plain[name] = dims
+            continue
+        module, (out_f, in_f) = name[: -len(".weight")], dims
+        if in_f % group_size or out_f * bits % 32:
+            raise ValueError(f"{name} {dims}: GPTQ needs in % {group_size} == 0 and out * {bits} % 32 == 0")
+        quantized.append(module)
+        groups = in_f // group_size
+        g_idx = (torch.arange(in_f) // group_size).to(torch.int32)
+        specials[f"{module}.qweight"] = (torch.int32, (in_f * bits // 32, out_f),
+                                         lambda n, g: _random_chunks(bits_pool, n, g))
+        specials[f"{module}.qzeros"] = (torch.int32, (groups, out_f * bits // 32), repeat(zero_bytes))
+        specials[f"{module}.scales"] = (torch.float16, (groups, out_f), lambda n, g: _random_chunks(scale_pool, n, g))
+        specials[f"{module}.g_idx"] = (torch.int32, (in_f,), repeat(g_idx.view(torch.uint8)))
+    config = llama_config(**shape, dtype=torch.float16)
+    config.save_pretrained(str(path))
+    _write_random_shards(path, plain, torch.float16, seed, max_shard_bytes, specials=specials)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = _gptq_config(bits, group_size, False, quantized)
     _write_config(path, cfg)
+    make_tokenizer(path, shape["vocab_size"])
     return path
 
 
