@@ -9,6 +9,7 @@
 #   tools/gpu_session.sh vllm-tests ARGS...     the vLLM GPU tests (needs every vLLM part; -n 8 runs 8 at once)
 #   tools/gpu_session.sh vllm-restart ARGS...   bench/vllm_restart.py ARGS (needs every vLLM part)
 #   tools/gpu_session.sh engine-imports MODEL   bench/engine_imports.py: what vLLM's engine imports beyond the warm ones
+#   tools/gpu_session.sh checkpoint NAME [DIR]  bench/restart.py's checkpoint NAME (8b, 32b, 30b-a3b, 24gb, ...) in DIR
 #   tools/gpu_session.sh check                  versions, GPU, /dev/shm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,10 @@ case "$what" in
     python3 bench/engine_imports.py discover --model "$1" --out "$OUT/engine-imports.json" 2>&1 | tail -3
     python3 bench/engine_imports.py time --list "$OUT/engine-imports.json" --out "$OUT/engine-imports-time.json" 2>&1 \
       | tee "$OUT/engine-imports.log" | tail -30
+    ;;
+  checkpoint)  # written once per machine (a stamp says so); prints its path
+    python3 -c 'import sys; sys.path.insert(0, "bench"); from pathlib import Path; import torch, restart
+print(restart.ensure_checkpoint(Path(sys.argv[2]), sys.argv[1], torch.bfloat16)[0])' "$1" "${2:-/dev/shm/wcck}"
     ;;
   *) echo "unknown step: $what"; exit 2 ;;
 esac
