@@ -457,8 +457,8 @@ def _write_random_shards(
     path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int, max_shard_bytes: int,
     sparse: bool = False, specials: dict[str, Special] | None = None,
 ) -> None:
-    """Random ``dtype`` tensors of ``shapes`` (norms near 1), shard by shard; ``specials`` replace or add tensors
-    of their own dtype and bytes (packed integers, scales)."""
+    """Random ``dtype`` tensors of ``shapes`` (norms near 1), shard by shard in their order; the ones named in
+    ``specials`` have their own dtype and bytes (packed integers, scales)."""
     if dtype not in _DIRECT_DTYPES:
         raise ValueError(f"direct writing supports {sorted(str(d) for d in _DIRECT_DTYPES)}, got {dtype}")
     gen = torch.Generator().manual_seed(seed)
@@ -473,8 +473,7 @@ def _write_random_shards(
         return lambda n, g: _random_chunks(pool, n, g)
 
     specials = specials or {}
-    tensors = {name: specials.get(name) or (dtype, shape, plain_fill(name)) for name, shape in
-               {**shapes, **{n: spec[1] for n, spec in specials.items()}}.items()}
+    tensors = {name: specials.get(name) or (dtype, shape, plain_fill(name)) for name, shape in shapes.items()}
     sizes = {name: math.prod(shape) * _dtype_size(dt) for name, (dt, shape, _) in tensors.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}

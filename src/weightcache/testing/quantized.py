@@ -357,10 +357,10 @@ def make_large_gptq_checkpoint(path: str | Path, *, bits: int = 4, group_size: i
         return lambda n, _g: [memoryview(raw[i: i + min(raw.numel(), n - i)].numpy())
                               for i in range(0, n, raw.numel())]
 
-    specials, plain, quantized = {}, {}, []
+    specials, layout, quantized = {}, {}, []  # layout: every tensor's shape, in the model's order
     for name, dims in shapes.items():
         if not _is_quant_target(name, dims):
-            plain[name] = dims
+            layout[name] = dims
             continue
         module, (out_f, in_f) = name[: -len(".weight")], dims
         if in_f % group_size or out_f * bits % 32:
@@ -373,9 +373,10 @@ def make_large_gptq_checkpoint(path: str | Path, *, bits: int = 4, group_size: i
         specials[f"{module}.qzeros"] = (torch.int32, (groups, out_f * bits // 32), repeat(zero_bytes))
         specials[f"{module}.scales"] = (torch.float16, (groups, out_f), lambda n, g: _random_chunks(scale_pool, n, g))
         specials[f"{module}.g_idx"] = (torch.int32, (in_f,), repeat(g_idx.view(torch.uint8)))
+        layout.update({n: specials[n][1] for n in (f"{module}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx"))})
     config = llama_config(**shape, dtype=torch.float16)
     config.save_pretrained(str(path))
-    _write_random_shards(path, plain, torch.float16, seed, max_shard_bytes, specials=specials)
+    _write_random_shards(path, layout, torch.float16, seed, max_shard_bytes, specials=specials)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = _gptq_config(bits, group_size, False, quantized)
     _write_config(path, cfg)
