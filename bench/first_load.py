@@ -373,6 +373,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quant and a.sparse:
         ap.error("--quant writes real values: leave out --sparse")
+    if a.quant and "transformers" in a.engines.split(","):
+        ap.error("--quant: transformers needs a GPTQ backend this bench does not bring; use --engines vllm,safetensors")
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
     model = make_checkpoint(root, a.size_gb, a.sparse, a.quant)
