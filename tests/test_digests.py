@@ -13,7 +13,7 @@ import blake3
 import pytest
 
 from weightcache import digests as dg
-from weightcache.digests import DigestError, checkpoint_digest, file_digest, file_digests
+from weightcache.digests import DigestError, checkpoint_digest, file_digest, file_digests, safetensors_bytes
 
 MIB16 = 16 << 20
 
@@ -525,3 +525,11 @@ def test_file_rewritten_while_hashed(tmp_path, monkeypatch):
     Reads(monkeypatch, rewrite_once)
     with pytest.raises(DigestError, match="changed while it was being hashed"):
         file_digests([path], threads=1)
+
+
+def test_safetensors_bytes_counts_a_local_checkpoints_safetensors_files(tmp_path):
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 20)
+    (tmp_path / "config.json").write_text("{}")
+    assert safetensors_bytes(str(tmp_path)) == 30
+    assert safetensors_bytes("org/some-hub-model") == 0

@@ -328,11 +328,3 @@ def test_an_attach_freezes_the_start_up_heap_and_later_garbage_is_still_collecte
         assert gone_after() is None
     finally:
         gc.unfreeze()
-
-
-def test_weight_file_bytes_counts_a_local_checkpoints_safetensors_files(tmp_path):
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 10)
-    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 20)
-    (tmp_path / "config.json").write_text("{}")
-    assert src.weight_file_bytes(str(tmp_path)) == 30
-    assert src.weight_file_bytes("org/some-hub-model") == 0

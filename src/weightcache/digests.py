@@ -428,6 +428,13 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+def safetensors_bytes(path: str | Path) -> int:
+    """Bytes of a local checkpoint's safetensors files, what a load reads (0 for a name that is no local
+    directory, such as a hub id)."""
+    d = Path(path)
+    return sum(f.stat().st_size for f in d.glob("*.safetensors") if f.is_file()) if d.is_dir() else 0
+
+
 def combine(algo: str, names: Iterable[str], digests: Iterable[str]) -> str:
     """The checkpoint's digest from its files' names and digests, in name order."""
     h = new_hasher(algo)

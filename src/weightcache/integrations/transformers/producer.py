@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...digests import safetensors_bytes
 from ...errors import WeightCacheError
 from ...key import CacheKey
 from ...reader.settings import ReadSettings, reader_choice
@@ -46,13 +47,6 @@ from .config import model_modules
 log = logging.getLogger("weightcache.integrations.transformers.producer")
 
 _MAX_LISTED = 8
-
-
-def checkpoint_bytes(path: Path) -> int:
-    """Bytes of the checkpoint's weight files (what a load reads)."""
-    from ...digests import checkpoint_files
-
-    return sum(f.stat().st_size for f in checkpoint_files(path) if f.suffix == ".safetensors")
 
 
 class _Observe(LoadingSteps):
@@ -230,7 +224,7 @@ class TransformersSource(Producer):
             read = None
             if self.reader == "weightcache":
                 read = ReadSettings.make(progress=p.local_index == 0)
-                daemon.begin_load(checkpoint_bytes(self.path))
+                daemon.begin_load(safetensors_bytes(self.path))
             model, seen = build_model(self.path, dtype=self.dtype, device=self.device,
                                       attn_implementation=self.attn_implementation,
                                       experts_implementation=self.experts_implementation,

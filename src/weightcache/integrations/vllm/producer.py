@@ -20,11 +20,11 @@ import gc
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from ...digests import safetensors_bytes
 from ...errors import WeightCacheError
 from ...key import CacheKey
 from ...reader.settings import ReadSettings, reader_choice
@@ -258,7 +258,7 @@ class VllmSource(Producer):
             with set_current_vllm_config(cfg):
                 ensure_model_parallel_initialized(cfg.parallel_config.tensor_parallel_size,
                                                   cfg.parallel_config.pipeline_parallel_size)
-                daemon.begin_load(weight_file_bytes(model_config.model))  # its peak counts the model's build too
+                daemon.begin_load(safetensors_bytes(model_config.model))  # its peak counts the model's build too
                 began = time.monotonic()
                 read = ReadSettings.make(progress=p.local_index == 0) if self.reader == "weightcache" else None
                 model, before = build_model(cfg, model_config, prefix=prefix, read=read, report=daemon._progress,
@@ -286,12 +286,6 @@ class VllmSource(Producer):
         gc.collect()
         if p.device.startswith("cuda"):
             torch.cuda.empty_cache()
-
-
-def weight_file_bytes(model: str) -> int:
-    """The bytes of a local checkpoint's safetensors files (0 for a hub id): what the load will read."""
-    d = Path(model)
-    return sum(f.stat().st_size for f in d.glob("*.safetensors")) if d.is_dir() else 0
 
 
 def make_source(placement, **kwargs) -> VllmSource:
